@@ -1,0 +1,80 @@
+"""Networks for ReCL.
+
+ReCL's theory (paper App. B.1) needs *homogeneous* networks: scaling the weights
+by c scales the output by c^L. Plain ReLU MLPs and CNNs without bias vectors are
+homogeneous. Following the paper (App. F.1) and the reconstruction reference code,
+only the first layer has a bias, and that layer starts at a tiny scale (1e-4).
+"""
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MLP(nn.Module):
+    """The paper's D-1000-1000-C perceptron; `head` grows in class-incremental learning."""
+
+    def __init__(self, in_dim, n_classes, hidden=1000, first_init_scale=1e-4):
+        super().__init__()
+        self.fc1 = nn.Linear(in_dim, hidden)
+        self.fc2 = nn.Linear(hidden, hidden, bias=False)
+        self.head = nn.Linear(hidden, n_classes, bias=False)
+        self.act1, self.act2 = nn.ReLU(), nn.ReLU()
+        with torch.no_grad():
+            self.fc1.weight.normal_().mul_(first_init_scale)
+            self.fc1.bias.normal_().mul_(first_init_scale)
+
+    def forward(self, x):
+        x = self.act1(self.fc1(x.flatten(1)))
+        x = self.act2(self.fc2(x))
+        return self.head(x)
+
+
+def build_model(name, input_shape, n_classes):
+    if name == "mlp":
+        return MLP(int(torch.Size(input_shape).numel()), n_classes)
+    raise ValueError(f"unknown model {name!r}")
+
+
+def grow_head(model, n_classes):
+    """Widen the output layer to `n_classes`, keeping the learned rows of old classes."""
+    old = model.head
+    if n_classes == old.out_features:
+        return
+    new = nn.Linear(old.in_features, n_classes, bias=False).to(old.weight.device)
+    with torch.no_grad():
+        new.weight[:old.out_features] = old.weight
+    model.head = new
+
+
+class SmoothBackwardReLU(nn.Module):
+    """ReLU forward, sigmoid(alpha * z) as its derivative in the backward pass.
+
+    Reconstruction differentiates *through* gradients of the network, and the
+    true ReLU derivative (a step) has zero second derivative almost everywhere.
+    Following Haim et al. (2022), we keep the forward pass exact and smooth only
+    the backward pass. softplus_alpha(z) = log(1 + e^(alpha z)) / alpha has
+    derivative sigmoid(alpha z), so
+        relu(z) + softplus_alpha(z) - stop_grad(softplus_alpha(z))
+    equals relu(z) in value and has the smooth derivative; it needs no custom
+    autograd.Function, so torch.func transforms handle it as they are.
+    """
+
+    def __init__(self, alpha):
+        super().__init__()
+        self.alpha = alpha
+
+    def forward(self, z):
+        smooth = F.softplus(z, beta=self.alpha)
+        return torch.relu(z).detach() + smooth - smooth.detach()
+
+
+def with_smooth_relu(model, alpha):
+    """A copy of `model` whose ReLUs have the smooth backward pass (for reconstruction only)."""
+    copied = copy.deepcopy(model)
+    for parent in copied.modules():
+        for name, child in parent.named_children():
+            if isinstance(child, nn.ReLU):
+                setattr(parent, name, SmoothBackwardReLU(alpha))
+    return copied

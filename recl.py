@@ -1,0 +1,372 @@
+"""ReCL: Reconstruction for Continual Learning, readable top to bottom.
+
+Paper: "Slowing Down Forgetting in Continual Learning" (Janetzky, Schlagenhauf,
+Feuerriegel). Equation numbers below are the paper's.
+
+The idea in one breath. A homogeneous network trained by gradient descent drifts
+towards a margin-maximisation point, where its weights are a non-negative
+combination of the gradients of its margins at the training points (App. B):
+
+    theta = sum_i lambda_i grad_theta Phi(theta; x_i),   lambda_i >= 0.
+
+ReCL reads this equation backwards. Before each new task it optimises random
+candidates x_i and coefficients lambda_i until the equation holds for the
+current weights, which recovers look-alikes of the old training data from the
+model alone (Step 1, Sec. 4.1). It then trains on those reconstructions mixed
+with the new task's data (Step 2, Sec. 4.2). No stored data, no generator.
+
+This file has four parts:
+    1. Reconstruction   (Eq. 3-6)
+    2. Metrics          (Eq. 1-2: ACC and BWT from the accuracy matrix R[t, i])
+    3. The continual-learning loop, into which strategies.py hooks
+    4. The command line
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call, grad, vmap
+
+import data
+import models
+import strategies
+
+# =============================================================================
+# 1. Reconstruction (Sec. 4.1, App. B)
+# =============================================================================
+#
+# Phi(theta; x) for a multi-class network is the margin of x's label y: its
+# logit minus the largest other logit. At a margin-maximisation point the
+# weights satisfy the stationarity condition (App. B, Eq. 8), which Eq. 3 turns
+# into a loss over candidates x_1..x_m with fixed labels and coefficients
+# lambda_1..lambda_m:
+#
+#   L_rec    = || theta - (1/m) sum_i lambda_i grad_theta Phi(theta; x_i) ||^2   (Eq. 3)
+#   L_lambda = 5 sum_i relu(lambda_min - lambda_i)^2                             (Eq. 4)
+#   L_prior  = sum_{i,k} relu(|x_ik| - 1)^2                                      (Eq. 5)
+#   L_full   = L_rec + L_lambda + L_prior                                        (Eq. 6)
+#
+# Eq. 4 and 5 are written in the paper with plain hinges; like the public
+# reference code (Buzaglo et al. 2023) we square them, which keeps the loss
+# smooth, and scale the gradient sum by 1/m so that lambda_min means the same for
+# any m. The norm in Eq. 3 runs over every parameter tensor of the network.
+
+
+def margins(model, params, x, y):
+    """Phi_y(x) - max_{j != y} Phi_j(x) for a batch, with the network's weights as `params`."""
+    logits = functional_call(model, params, (x,))
+    own = logits.gather(1, y[:, None]).squeeze(1)
+    best_other = logits.scatter(1, y[:, None], float("-inf")).amax(1)
+    return own - best_other
+
+
+def weighted_gradient_sum_vmap(model, params, x, y, lam):
+    """(1/m) sum_i lambda_i grad_theta Phi(theta; x_i), literally: one gradient per candidate.
+
+    vmap(grad(...)) gives every candidate its own copy of the gradient, m x |theta|
+    numbers. This is the equation as written; it is the reference the fast form
+    below is tested against, but far too slow and memory-hungry to train with.
+    """
+    def margin_of_one(p, xi, yi):
+        return margins(model, p, xi[None], yi[None])[0]
+
+    per_candidate = vmap(grad(margin_of_one), in_dims=(None, 0, 0))(params, x, y)
+    return {k: torch.tensordot(lam, g, dims=1) / len(x) for k, g in per_candidate.items()}
+
+
+def weighted_gradient_sum(model, params, x, y, lam):
+    """The same sum with a single backward pass (the default).
+
+    A gradient is linear, so sum_i lambda_i grad Phi(x_i) = grad sum_i lambda_i Phi(x_i):
+    differentiate the lambda-weighted sum of margins once instead of every margin
+    on its own. torch.func.grad keeps the result differentiable in x and lambda,
+    which is what the reconstruction optimises.
+    """
+    def weighted_margins(p):
+        return (lam * margins(model, p, x, y)).sum() / len(x)
+
+    return grad(weighted_margins)(params)
+
+
+def reconstruction_losses(model, params, x, y, lam, lambda_min):
+    """L_rec, L_lambda and L_prior of Eq. 3-5."""
+    combination = weighted_gradient_sum(model, params, x, y, lam)
+    l_rec = sum((params[k] - combination[k]).pow(2).sum() for k in params)
+    l_lambda = 5 * F.relu(lambda_min - lam).pow(2).sum()
+    l_prior = F.relu(x.abs() - 1).pow(2).sum()
+    return l_rec, l_lambda, l_prior
+
+
+def candidate_labels(n_outputs, m_per_class, n_old_tasks, scenario):
+    """Fixed labels spread evenly over the old classes (Sec. 4.2).
+
+    CIL: m candidates for each class the head knows. DIL: every task reuses the
+    labels 0..k-1, so m candidates per class *per old task*; with m = n this
+    reconstructs as many samples as the old tasks had (the paper's m = sum n^t).
+    """
+    per_class = m_per_class * (1 if scenario == "cil" else n_old_tasks)
+    return torch.arange(n_outputs).repeat_interleave(per_class)
+
+
+def reconstruct(model, labels, input_shape, cfg, log=print):
+    """Step 1 of ReCL: recover look-alikes of old training data from `model` alone.
+
+    Returns the candidates, their labels, and a small report. Candidates start
+    as N(0, sigma_x^2) noise and are optimised, together with their lambdas, by
+    two full-batch SGD optimisers with momentum 0.9 for n_rec steps (Eq. 6).
+    """
+    start = time.time()
+    device = next(model.parameters()).device
+    net = models.with_smooth_relu(model, cfg.alpha).eval()  # smooth backward, exact forward
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    labels = labels.to(device)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    x = (torch.randn(len(labels), *input_shape, generator=gen) * cfg.sigma_x).to(device).requires_grad_()
+    lam = torch.rand(len(labels), generator=gen).to(device).requires_grad_()
+    opt_x = torch.optim.SGD([x], lr=cfg.lr_x, momentum=0.9)
+    opt_lam = torch.optim.SGD([lam], lr=cfg.lr_lambda, momentum=0.9)
+
+    first_loss = loss = None
+    for step in range(cfg.n_rec):
+        l_rec, l_lambda, l_prior = reconstruction_losses(net, params, x, labels, lam, cfg.lambda_min)
+        loss = l_rec + l_lambda + l_prior
+        if not torch.isfinite(loss):
+            log(f"    reconstruction stopped at step {step}: the loss is not finite")
+            break
+        first_loss = loss.item() if first_loss is None else first_loss
+        opt_x.zero_grad()
+        opt_lam.zero_grad()
+        loss.backward()
+        opt_x.step()
+        opt_lam.step()
+
+    x = x.detach()
+    finite = torch.isfinite(x.flatten(1)).all(1)  # never hand NaNs to training
+    report = {"candidates": len(labels), "kept": int(finite.sum()), "steps": step + 1,
+              "first_loss": first_loss, "last_loss": loss.item(),
+              "last_l_rec": l_rec.item(), "seconds": round(time.time() - start, 2)}
+    return x[finite], labels[finite], report
+
+
+# =============================================================================
+# 2. Metrics (Sec. 3)
+# =============================================================================
+# R[t][i] is the test accuracy (percent) on task i after training on task t.
+
+def acc_and_bwt(R):
+    """ACC = mean_i R[T, i] (Eq. 1); BWT = mean_{i<T} R[T, i] - R[i, i] (Eq. 2)."""
+    T = len(R)
+    acc = sum(R[T - 1][i] for i in range(T)) / T
+    bwt = sum(R[T - 1][i] - R[i][i] for i in range(T - 1)) / (T - 1) if T > 1 else 0.0
+    return acc, bwt
+
+
+@torch.no_grad()
+def accuracy(model, x, y, batch_size=1000):
+    model.eval()
+    correct = sum((model(xb).argmax(1) == yb).sum().item()
+                  for xb, yb in zip(x.split(batch_size), y.split(batch_size)))
+    return 100.0 * correct / len(x)
+
+
+# =============================================================================
+# 3. The continual-learning loop
+# =============================================================================
+
+def train_task(model, x, y, hooks, state, cfg):
+    """Plain SGD on cross-entropy; the strategy's hooks add a loss term or edit gradients."""
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    batches = data.loader(x, y, cfg.batch_size, seed=cfg.seed)
+    for epoch in range(cfg.epochs):
+        total = 0.0
+        for xb, yb in batches:
+            logits = model(xb)
+            loss = F.cross_entropy(logits, yb)
+            if "extra_loss" in hooks:
+                loss = loss + hooks["extra_loss"](model, xb, yb, logits, state)
+            optimizer.zero_grad()
+            loss.backward()
+            if "after_backward" in hooks:
+                hooks["after_backward"](model, state)
+            optimizer.step()
+            total += loss.item() * len(xb)
+    return total / len(x)  # mean loss of the last epoch
+
+
+def run_continual(cfg, tasks, method, use_recl, log=print):
+    """Train one model through all tasks (ReCL optional); return the run's record."""
+    start = time.time()
+    torch.manual_seed(cfg.seed)  # the same init and shuffles for both variants
+    device = torch.device(cfg.device)
+    tasks = [data.Task(t.classes, *(v.to(device) for v in t[1:])) for t in tasks]
+    per_task = len(tasks[0].classes)
+    input_shape = tasks[0].x_train.shape[1:]
+    model = models.build_model(cfg.model, input_shape, per_task).to(device)
+    hooks, state = strategies.STRATEGIES[method], strategies.new_state(method)
+    name = method + ("+recl" if use_recl else "")
+    R = [[None] * len(tasks) for _ in tasks]
+    reconstructions = []
+
+    for t, task in enumerate(tasks):
+        task_start = time.time()
+        x, y = task.x_train, task.y_train
+        if use_recl and t > 0:
+            # Step 1: reconstruct old data from the model as it is after task t-1.
+            labels = candidate_labels(model.head.out_features, cfg.m, t, cfg.scenario)
+            x_rec, y_rec, report = reconstruct(model, labels, input_shape, cfg, log)
+            reconstructions.append({"task": t + 1, **report})
+            log(f"  [{name}] task {t + 1}: reconstructed {report['kept']}/{report['candidates']} "
+                f"in {report['seconds']}s, loss {report['first_loss']:.4g} -> {report['last_loss']:.4g}")
+            # Step 2: train on reconstructions and new data together.
+            x, y = torch.cat([x, x_rec]), torch.cat([y, y_rec])
+        if cfg.scenario == "cil":
+            models.grow_head(model, per_task * (t + 1))
+        loss = train_task(model, x, y, hooks, state, cfg)
+        if "after_task" in hooks:
+            hooks["after_task"](model, task, state)
+        R[t][:t + 1] = [accuracy(model, old.x_test, old.y_test) for old in tasks[:t + 1]]
+        log(f"  [{name}] task {t + 1}/{len(tasks)} classes {task.classes}: loss {loss:.3f}, "
+            f"acc {' '.join(f'{a:.1f}' for a in R[t][:t + 1])} ({time.time() - task_start:.1f}s)")
+
+    acc, bwt = acc_and_bwt(R)
+    return {"method": method, "recl": use_recl, "scenario": cfg.scenario, "dataset": cfg.dataset,
+            "seed": cfg.seed, "acc_matrix": R, "ACC": acc, "BWT": bwt,
+            "seconds": round(time.time() - start, 2), "reconstructions": reconstructions}
+
+
+# =============================================================================
+# 4. The command line
+# =============================================================================
+
+METHODS = list(strategies.STRATEGIES)
+DATASET_CLASSES = {"mnist": 10}
+DATASET_IMAGES_PER_CLASS = {"mnist": 500}
+
+
+class UsageError(Exception):
+    """Bad command-line input; printed as one line."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of usage + message
+        raise UsageError(message)
+
+
+def make_parser():
+    p = Parser(description="ReCL on SplitMNIST: a continual-learning method with and without ReCL.")
+    p.add_argument("--scenario", choices=["cil", "dil"], default="cil")
+    p.add_argument("--method", choices=METHODS, default="finetune")
+    p.add_argument("--variant", choices=["both", "base", "recl"], default="both",
+                   help="the method alone, with ReCL, or both on the same seeds")
+    p.add_argument("--dataset", choices=list(DATASET_CLASSES), default="mnist")
+    p.add_argument("--model", choices=["mlp"], default="mlp")
+    p.add_argument("--seeds", type=int, default=1, help="number of seeds")
+    p.add_argument("--seed", type=int, default=0, help="first seed")
+    g = p.add_argument_group("training")
+    g.add_argument("--epochs", type=int, default=20)
+    g.add_argument("--lr", type=float, default=0.01)
+    g.add_argument("--batch-size", type=int, default=64)
+    g.add_argument("--n-per-class", type=int, default=100, help="training images per class")
+    g = p.add_argument_group("reconstruction")
+    g.add_argument("--m", type=int, default=None, help="candidates per old class (default: n per class)")
+    g.add_argument("--n-rec", type=int, default=300, help="reconstruction steps")
+    g.add_argument("--sigma-x", type=float, default=1e-3, help="std of the initial candidates")
+    g.add_argument("--lr-x", type=float, default=0.1)
+    g.add_argument("--lr-lambda", type=float, default=0.1)
+    g.add_argument("--lambda-min", type=float, default=0.05)
+    g.add_argument("--alpha", type=float, default=100.0, help="sharpness of the smooth ReLU backward")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--out", default="results", help="folder for one JSON file per run")
+    p.add_argument("--quiet", action="store_true")
+    return p
+
+
+def check_args(cfg):
+    """Reject values that make no sense before any work starts."""
+    positive = {"epochs": cfg.epochs, "lr": cfg.lr, "batch-size": cfg.batch_size,
+                "n-per-class": cfg.n_per_class, "n-rec": cfg.n_rec, "sigma-x": cfg.sigma_x,
+                "lr-x": cfg.lr_x, "lr-lambda": cfg.lr_lambda, "lambda-min": cfg.lambda_min,
+                "alpha": cfg.alpha, "seeds": cfg.seeds}
+    if cfg.m is not None:
+        positive["m"] = cfg.m
+    for flag, value in positive.items():
+        if not (math.isfinite(value) and value > 0):
+            raise UsageError(f"--{flag} must be a positive finite number, got {value}")
+    if cfg.seed < 0:
+        raise UsageError(f"--seed must be >= 0, got {cfg.seed}")
+    most = DATASET_IMAGES_PER_CLASS[cfg.dataset] - 1  # keep at least one test image
+    if cfg.n_per_class > most:
+        raise UsageError(f"--n-per-class {cfg.n_per_class} is more than {cfg.dataset} allows "
+                         f"({most}; it holds {most + 1} images per class and needs some to test on)")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda was asked for but no CUDA device is available")
+
+
+def result_path(out, cfg, method, use_recl, seed):
+    variant = "+recl" if use_recl else ""
+    return Path(out) / f"{cfg.dataset}-{cfg.scenario}-{method}{variant}-seed{seed}.json"
+
+
+def write_json_atomically(path, record):
+    """Write to a temporary name, then rename: a killed run never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, path)
+
+
+def mean_std(values):
+    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def summary_table(records):
+    rows = ["| method | ACC | BWT | seconds |", "|---|---|---|---|"]
+    names = list(dict.fromkeys(r["method"] + ("+recl" if r["recl"] else "") for r in records))
+    for name in names:
+        runs = [r for r in records if r["method"] + ("+recl" if r["recl"] else "") == name]
+        cells = [("{:.2f} ± {:.2f}".format(*mean_std([r[key] for r in runs]))) for key in ("ACC", "BWT")]
+        seconds = statistics.mean(r["seconds"] for r in runs)
+        rows.append(f"| {name} | {cells[0]} | {cells[1]} | {seconds:.1f} |")
+    return "\n".join(rows)
+
+
+def main(argv=None):
+    cfg = make_parser().parse_args(argv)
+    check_args(cfg)
+    if cfg.device == "auto":
+        cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg.m = cfg.m or cfg.n_per_class
+    log = (lambda *a: None) if cfg.quiet else (lambda *a: print(*a, flush=True))
+    variants = {"both": [False, True], "base": [False], "recl": [True]}[cfg.variant]
+    records = []
+    for seed in range(cfg.seed, cfg.seed + cfg.seeds):
+        tasks, class_order, _ = data.split_mnist(seed, cfg.n_per_class, cfg.scenario)
+        for use_recl in variants:
+            run_cfg = argparse.Namespace(**{**vars(cfg), "seed": seed})
+            name = cfg.method + ("+recl" if use_recl else "")
+            log(f"{name} | {cfg.scenario} | {cfg.dataset} | seed {seed} | class order {class_order}")
+            record = run_continual(run_cfg, tasks, cfg.method, use_recl, log)
+            record.update(class_order=class_order, config=vars(run_cfg))
+            path = result_path(cfg.out, cfg, cfg.method, use_recl, seed)
+            write_json_atomically(path, record)
+            log(f"{name} seed {seed}: ACC {record['ACC']:.2f} BWT {record['BWT']:.2f} "
+                f"in {record['seconds']:.0f}s -> {path}")
+            records.append(record)
+    print(summary_table(records))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (UsageError, data.DataError) as err:
+        sys.exit(f"recl.py: error: {err}")
+    except KeyboardInterrupt:
+        sys.exit("recl.py: interrupted; finished runs are saved, rerun to redo the rest")

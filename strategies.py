@@ -1,0 +1,243 @@
+"""Continual-learning strategies as small hook functions.
+
+A strategy is a dict of optional hooks that the one training loop in recl.py
+calls at fixed points:
+
+    extra_loss(model, x, y, logits, state)       added to the batch's cross-entropy
+    after_backward(model, state)                 may rewrite the .grad of parameters
+    after_task(model, task, state)               after training on a task
+
+`task` is a data.Task holding the task's *real* training data; `state` is a
+plain dict the strategy keeps across tasks, starting from its hyperparameters
+(`HYPERPARAMETERS`). ReCL needs no hook at all: it only adds reconstructed
+samples to the training data, so it composes with every strategy here.
+"""
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.func import functional_call, grad, vmap
+
+# Each method's own hyperparameters, in one place. Ranges and choices follow the
+# paper's search space (its Table 9); see README "Hyperparameters".
+HYPERPARAMETERS = {
+    "finetune": {},
+    "ewc": {"ewc_lambda": 100.0},                          # Kirkpatrick et al. 2017
+    "er": {"er_fraction": 0.1},                            # buffer: 10% of each task (paper App. F.2)
+    "upgd": {"upgd_beta": 0.999, "upgd_sigma": 0.001,      # Elsayed & Mahmood 2024
+             "upgd_weight_decay": 0.0},
+    "agem": {"agem_patterns_per_task": 50, "agem_batch": 256},  # Chaudhry et al. 2019
+    "lwf": {"lwf_lambda": 1.0, "lwf_temperature": 2.0},    # Li & Hoiem 2017
+    "gpm": {"gpm_threshold": 0.99, "gpm_samples": 300},    # Saha et al. 2021
+}
+
+
+def new_state(method, **overrides):
+    unknown = set(overrides) - set(HYPERPARAMETERS[method])
+    if unknown:
+        raise ValueError(f"{method} has no hyperparameter {sorted(unknown)}")
+    return {**HYPERPARAMETERS[method], **overrides}
+
+
+def pad_to(tensor, shape):
+    """Zero-pad `tensor` at the end of each dimension up to `shape` (a grown head)."""
+    padding = []
+    for have, want in zip(reversed(tensor.shape), reversed(shape)):
+        padding += [0, want - have]
+    return F.pad(tensor, padding)
+
+
+def leading_slice(tensor, shape):
+    """The part of `tensor` that existed when it had `shape` (old head rows)."""
+    return tensor[tuple(slice(0, s) for s in shape)]
+
+
+def sample_rows(x, y, n):
+    idx = torch.randperm(len(x), device=x.device)[:n]
+    return x[idx], y[idx]
+
+
+def append_memory(state, x, y):
+    if "memory_x" in state:
+        x, y = torch.cat([state["memory_x"], x]), torch.cat([state["memory_y"], y])
+    state["memory_x"], state["memory_y"] = x, y
+
+
+# --- EWC: quadratic penalty weighted by the diagonal Fisher --------------------
+
+def diagonal_fisher(model, x, y, chunk=32):
+    """Mean of squared per-sample log-likelihood gradients (empirical Fisher)."""
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def sample_loss(p, xi, yi):
+        return F.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])
+
+    per_sample_grads = vmap(grad(sample_loss), in_dims=(None, 0, 0))
+    fisher = {k: torch.zeros_like(v) for k, v in params.items()}
+    for xs, ys in zip(x.split(chunk), y.split(chunk)):
+        for k, g in per_sample_grads(params, xs, ys).items():
+            fisher[k] += g.pow(2).sum(0)
+    return {k: f / len(x) for k, f in fisher.items()}
+
+
+def ewc_after_task(model, task, state):
+    # Fishers of all tasks so far add up; the anchor is the latest weights.
+    fisher = diagonal_fisher(model, task.x_train, task.y_train)
+    for k, old in state.get("fisher", {}).items():
+        fisher[k] += pad_to(old, fisher[k].shape)
+    state["fisher"] = fisher
+    state["anchor"] = {k: p.detach().clone() for k, p in model.named_parameters()}
+
+
+def ewc_loss(model, x, y, logits, state):
+    if "fisher" not in state:
+        return 0.0
+    penalty = 0.0
+    for k, p in model.named_parameters():
+        anchor = state["anchor"][k]  # only rows that existed: new head rows are free
+        penalty = penalty + (state["fisher"][k] * (leading_slice(p, anchor.shape) - anchor).pow(2)).sum()
+    return state["ewc_lambda"] / 2 * penalty
+
+
+# --- ER: replay a small buffer of real old data alongside each batch ---------
+
+def er_after_task(model, task, state):
+    n = max(1, round(state["er_fraction"] * len(task.x_train)))
+    append_memory(state, *sample_rows(task.x_train, task.y_train, n))
+
+
+def er_loss(model, x, y, logits, state):
+    if "memory_x" not in state:
+        return 0.0
+    mx, my = sample_rows(state["memory_x"], state["memory_y"], len(x))
+    return F.cross_entropy(model(mx), my)
+
+
+# --- A-GEM: never let a step increase the loss on the episodic memory ---------
+
+def agem_after_task(model, task, state):
+    append_memory(state, *sample_rows(task.x_train, task.y_train, state["agem_patterns_per_task"]))
+
+
+def agem_after_backward(model, state):
+    """If g . g_ref < 0, use g - (g . g_ref / g_ref . g_ref) g_ref (Chaudhry et al. 2019, Eq. 11)."""
+    if "memory_x" not in state:
+        return
+    params = [p for p in model.parameters() if p.grad is not None]
+    mx, my = sample_rows(state["memory_x"], state["memory_y"], state["agem_batch"])
+    g_ref = torch.cat([g.flatten() for g in torch.autograd.grad(F.cross_entropy(model(mx), my), params)])
+    g = torch.cat([p.grad.flatten() for p in params])
+    dot = g @ g_ref
+    if dot < 0:
+        g = g - dot / (g_ref @ g_ref) * g_ref
+        for p, new in zip(params, g.split([p.numel() for p in params])):
+            p.grad.copy_(new.view_as(p))
+
+
+# --- LwF: distil the previous model's outputs on the current data ------------
+
+def lwf_after_task(model, task, state):
+    state["teacher"] = copy.deepcopy(model).eval()
+
+
+def lwf_loss(model, x, y, logits, state):
+    if "teacher" not in state:
+        return 0.0
+    with torch.no_grad():
+        old = state["teacher"](x)
+    t = state["lwf_temperature"]
+    new = logits[:, :old.shape[1]]  # CIL: only the outputs the teacher had
+    kl = F.kl_div(F.log_softmax(new / t, 1), F.log_softmax(old / t, 1), log_target=True, reduction="batchmean")
+    return state["lwf_lambda"] * t * t * kl
+
+
+# --- GPM: keep gradients orthogonal to the inputs old tasks used -------------
+
+def linear_layers(model):
+    return {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+
+def layer_inputs(model, x):
+    """The input of every linear layer for a batch x, as [n, in_features] matrices."""
+    inputs, handles = {}, []
+    for name, layer in linear_layers(model).items():
+        hook = (lambda key: lambda mod, args, out: inputs.__setitem__(key, args[0].detach()))(name)
+        handles.append(layer.register_forward_hook(hook))
+    with torch.no_grad():
+        model(x)
+    for h in handles:
+        h.remove()
+    return inputs
+
+
+def extend_basis(basis, activations, threshold):
+    """Grow an orthonormal basis until it holds `threshold` of the activations' energy.
+
+    Saha et al. 2021, Eq. 6-9: project the new representation matrix R off the
+    existing basis, take the SVD of the residual and add its top left singular
+    vectors until ||projection of R||^2 / ||R||^2 reaches the threshold.
+    """
+    total = activations.pow(2).sum()
+    if basis is not None:
+        activations = activations - basis @ (basis.T @ activations)
+    u, s, _ = torch.linalg.svd(activations, full_matrices=False)
+    captured = total - s.pow(2).sum()  # energy the old basis already holds
+    if captured / total >= threshold:
+        return basis
+    below = ((captured + s.pow(2).cumsum(0)) / total < threshold).sum()
+    new = u[:, :min(int(below) + 1, len(s))]
+    if basis is None:
+        return new
+    return torch.cat([basis, new], 1)[:, :activations.shape[0]]
+
+
+def gpm_after_task(model, task, state):
+    bases = state.setdefault("bases", {})
+    x = task.x_train[:state["gpm_samples"]]
+    for name, r in layer_inputs(model, x).items():
+        bases[name] = extend_basis(bases.get(name), r.T, state["gpm_threshold"])
+
+
+def gpm_after_backward(model, state):
+    # grad W <- grad W (I - M M^T) for every weight; the first layer's bias is left free.
+    for name, layer in linear_layers(model).items():
+        basis = state.get("bases", {}).get(name)
+        if basis is not None and layer.weight.grad is not None:
+            layer.weight.grad -= (layer.weight.grad @ basis) @ basis.T
+
+
+# --- UPGD: protect useful weights, perturb the others --------------------------
+
+def upgd_after_backward(model, state):
+    """Utility-perturbed gradient descent (Elsayed & Mahmood 2024), global first-order form.
+
+    utility u = -grad * w (a Taylor estimate of the loss change when w is set to 0),
+    tracked as a bias-corrected running mean and scaled to (0, 1) by a sigmoid of
+    u / max(u). The step uses (grad + noise) * (1 - scaled utility): useful
+    weights barely move, useless ones are free to learn and get perturbed.
+    """
+    beta = state["upgd_beta"]
+    state["step"] = state.get("step", 0) + 1
+    utility = state.setdefault("utility", {})
+    params = [(k, p) for k, p in model.named_parameters() if p.grad is not None]
+    for k, p in params:
+        u = pad_to(utility[k], p.shape) if k in utility else torch.zeros_like(p)
+        utility[k] = u.mul_(beta).add_(-p.grad * p.detach(), alpha=1 - beta)
+    correction = 1 - beta ** state["step"]
+    global_max = max(u.max() for u in utility.values()).clamp_min(1e-12)
+    for k, p in params:
+        scaled = torch.sigmoid(utility[k] / correction / global_max)
+        noise = torch.randn_like(p) * state["upgd_sigma"]
+        p.grad = (p.grad + state["upgd_weight_decay"] * p.detach() + noise) * (1 - scaled)
+
+
+STRATEGIES = {
+    "finetune": {},
+    "ewc": {"extra_loss": ewc_loss, "after_task": ewc_after_task},
+    "er": {"extra_loss": er_loss, "after_task": er_after_task},
+    "upgd": {"after_backward": upgd_after_backward},
+    "agem": {"after_backward": agem_after_backward, "after_task": agem_after_task},
+    "lwf": {"extra_loss": lwf_loss, "after_task": lwf_after_task},
+    "gpm": {"after_backward": gpm_after_backward, "after_task": gpm_after_task},
+}
