@@ -277,7 +277,7 @@ def make_parser():
     g.add_argument("--n-per-class", type=int, default=100, help="training images per class")
     g = p.add_argument_group("reconstruction")
     g.add_argument("--m", type=int, default=None, help="candidates per old class (default: n per class)")
-    g.add_argument("--n-rec", type=int, default=300, help="reconstruction steps")
+    g.add_argument("--n-rec", type=int, default=100, help="reconstruction steps")
     g.add_argument("--sigma-x", type=float, default=1e-3, help="std of the initial candidates")
     g.add_argument("--lr-x", type=float, default=0.1)
     g.add_argument("--lr-lambda", type=float, default=0.1)
@@ -285,7 +285,8 @@ def make_parser():
     g.add_argument("--alpha", type=float, default=100.0, help="sharpness of the smooth ReLU backward")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--out", default="results", help="folder for one JSON file per run")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no per-task progress")
+    p.add_argument("--aggregate", metavar="DIR", help="print the results table of the runs in DIR and exit")
     return p
 
 
@@ -327,19 +328,45 @@ def mean_std(values):
     return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
+def run_name(record):
+    return record["method"] + ("+recl" if record["recl"] else "")
+
+
 def summary_table(records):
-    rows = ["| method | ACC | BWT | seconds |", "|---|---|---|---|"]
-    names = list(dict.fromkeys(r["method"] + ("+recl" if r["recl"] else "") for r in records))
-    for name in names:
-        runs = [r for r in records if r["method"] + ("+recl" if r["recl"] else "") == name]
-        cells = [("{:.2f} ± {:.2f}".format(*mean_std([r[key] for r in runs]))) for key in ("ACC", "BWT")]
+    """Markdown: one row per method variant, mean(std) over seeds as in the paper's tables."""
+    rows = ["| method | seeds | ACC | BWT | seconds |", "|---|---|---|---|---|"]
+    for name in dict.fromkeys(run_name(r) for r in records):
+        runs = [r for r in records if run_name(r) == name]
+        acc, bwt = ("{:.2f} ({:.2f})".format(*mean_std([r[key] for r in runs])) for key in ("ACC", "BWT"))
         seconds = statistics.mean(r["seconds"] for r in runs)
-        rows.append(f"| {name} | {cells[0]} | {cells[1]} | {seconds:.1f} |")
+        rows.append(f"| {name} | {len(runs)} | {acc} | {bwt} | {seconds:.1f} |")
     return "\n".join(rows)
+
+
+def aggregate(folder):
+    """One table per (dataset, scenario) from every finished run's JSON in `folder`."""
+    records = []
+    for path in sorted(Path(folder).glob("*.json")):  # temporary files start with "." and are skipped
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as err:
+            print(f"skipping unreadable {path}: {err}", file=sys.stderr)
+    if not records:
+        raise UsageError(f"no finished runs (*.json) in {folder}")
+    order = {m: i for i, m in enumerate(METHODS)}
+    records.sort(key=lambda r: (order.get(r["method"], len(order)), r["recl"], r["seed"]))
+    tables = []
+    for dataset, scenario in sorted({(r["dataset"], r["scenario"]) for r in records}):
+        chosen = [r for r in records if (r["dataset"], r["scenario"]) == (dataset, scenario)]
+        tables.append(f"### {dataset}, {scenario.upper()}\n\n{summary_table(chosen)}\n")
+    return "\n".join(tables)
 
 
 def main(argv=None):
     cfg = make_parser().parse_args(argv)
+    if cfg.aggregate:
+        print(aggregate(cfg.aggregate))
+        return
     check_args(cfg)
     if cfg.device == "auto":
         cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -357,10 +384,11 @@ def main(argv=None):
             record.update(class_order=class_order, config=vars(run_cfg))
             path = result_path(cfg.out, cfg, cfg.method, use_recl, seed)
             write_json_atomically(path, record)
-            log(f"{name} seed {seed}: ACC {record['ACC']:.2f} BWT {record['BWT']:.2f} "
-                f"in {record['seconds']:.0f}s -> {path}")
+            print(f"{name} {cfg.scenario} seed {seed}: ACC {record['ACC']:.2f} BWT {record['BWT']:.2f} "
+                  f"in {record['seconds']:.0f}s -> {path}", flush=True)
             records.append(record)
-    print(summary_table(records))
+    if not cfg.quiet:
+        print(summary_table(records))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The full results table: every method with and without ReCL, in CIL and DIL,
+# over several seeds, one `python recl.py` process per run, then one table.
+#
+#   bash run_all.sh                      # everything, 5 seeds
+#   QUICK=1 bash run_all.sh              # 1 seed, few epochs and steps: minutes
+#   JOBS=2 METHODS="finetune gpm" bash run_all.sh --epochs 30   # args pass through
+#
+# Resumable: each run writes its own JSON atomically, and a run whose JSON
+# exists is skipped, so an interrupted run_all.sh loses at most the runs in flight.
+# Knobs: DATASETS SCENARIOS METHODS SEEDS JOBS RESULTS QUICK PYTHON DRY_RUN.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+DATASETS=${DATASETS:-mnist}
+SCENARIOS=${SCENARIOS:-cil dil}
+METHODS=${METHODS:-finetune ewc er upgd agem lwf gpm}
+SEEDS=${SEEDS:-5}
+JOBS=${JOBS:-1}
+RESULTS=${RESULTS:-results}
+PYTHON=${PYTHON:-python}
+EXTRA=("$@")
+if [ "${QUICK:-0}" = 1 ]; then
+  SEEDS=1
+  EXTRA=(--epochs 5 --n-rec 20 "${EXTRA[@]}")
+fi
+# Share the cores between parallel runs instead of oversubscribing them.
+export OMP_NUM_THREADS=$(( $(nproc) / JOBS > 0 ? $(nproc) / JOBS : 1 ))
+
+pending() {  # one shell command per run that has no result yet
+  for dataset in $DATASETS; do
+    if [ "$dataset" != mnist ]; then
+      echo "skipping $dataset: only mnist (the shipped subset) is available here" >&2
+      continue
+    fi
+    for scenario in $SCENARIOS; do
+      for method in $METHODS; do
+        for variant in base recl; do
+          for ((seed = 0; seed < SEEDS; seed++)); do
+            suffix=""; [ "$variant" = recl ] && suffix="+recl"
+            [ -f "$RESULTS/$dataset-$scenario-$method$suffix-seed$seed.json" ] && continue
+            printf '%q ' "$PYTHON" recl.py --dataset "$dataset" --scenario "$scenario" \
+              --method "$method" --variant "$variant" --seed "$seed" --out "$RESULTS" --quiet \
+              ${EXTRA[@]+"${EXTRA[@]}"}
+            echo
+          done
+        done
+      done
+    done
+  done
+}
+
+todo=$(pending)
+count=$(printf '%s' "$todo" | grep -c . || true)
+echo "run_all: $count runs to do in $RESULTS/ with $JOBS job(s)"
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  printf '%s\n' "$todo"
+  exit 0
+fi
+start=$(date +%s)
+if [ "$count" -gt 0 ]; then
+  printf '%s\n' "$todo" | xargs -d '\n' -P "$JOBS" -I{} bash -c '{}'
+fi
+echo "run_all: finished in $(( $(date +%s) - start ))s"
+"$PYTHON" recl.py --aggregate "$RESULTS" | tee "$RESULTS/table.md"

@@ -1,0 +1,342 @@
+"""Tests: the math of reconstruction, metrics and strategies, and the CLI's behaviour.
+
+Run with `python -m pytest -q`. Everything runs on tiny problems on the CPU.
+"""
+import argparse
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import data
+import models
+import recl
+import strategies
+
+HERE = Path(__file__).resolve().parent
+
+
+def config(**overrides):
+    """The CLI's defaults, resolved as main() resolves them, with overrides."""
+    cfg = recl.make_parser().parse_args([])
+    cfg.device, cfg.m = "cpu", cfg.n_per_class
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def synthetic_tasks(scenario, n_tasks=3, per_class=6, shape=(1, 4, 4), seed=0):
+    """Well-separated Gaussian blobs, two classes per task, in the layout data.py makes."""
+    g = torch.Generator().manual_seed(seed)
+    n_classes = 2 * n_tasks
+    centres = torch.randn(n_classes, *shape, generator=g)
+    def sample(n):
+        y = torch.arange(n_classes).repeat_interleave(n)
+        return 0.5 * centres[y] + 0.05 * torch.randn(len(y), *shape, generator=g), y
+    (xtr, ytr), (xte, yte) = sample(per_class), sample(per_class)
+    return data.split_into_tasks(xtr, ytr, xte, yte, list(range(n_classes)), 2, scenario)
+
+
+def nearest_cosine(candidates, reference):
+    """For each reference image, the cosine similarity of its nearest candidate."""
+    a = F.normalize(candidates.flatten(1), dim=1)
+    b = F.normalize(reference.flatten(1), dim=1)
+    return (b @ a.T).amax(1)
+
+
+# --- reconstruction -----------------------------------------------------------
+
+def test_single_backward_form_equals_per_candidate_vmap_form():
+    torch.manual_seed(0)
+    model = models.with_smooth_relu(models.MLP(12, 3, hidden=7), alpha=50.0)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x, y, lam = torch.randn(5, 12), torch.tensor([0, 1, 2, 1, 0]), torch.rand(5)
+    fast = recl.weighted_gradient_sum(model, params, x, y, lam)
+    literal = recl.weighted_gradient_sum_vmap(model, params, x, y, lam)
+    assert fast.keys() == literal.keys()
+    for k in fast:
+        torch.testing.assert_close(fast[k], literal[k], rtol=1e-5, atol=1e-7)
+    # and both equal the explicit loop over candidates, one gradient at a time
+    for i in range(5):
+        g_i = torch.func.grad(lambda p: recl.margins(model, p, x[i:i + 1], y[i:i + 1])[0])(params)
+        for k in literal:
+            literal[k] -= lam[i] * g_i[k] / 5
+    assert all(v.abs().max() < 1e-6 for v in literal.values())
+    assert all(v.abs().sum() > 0 for v in fast.values())
+
+
+def test_margin_is_own_logit_minus_best_other():
+    model = nn.Linear(3, 3, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.eye(3))
+    params = dict(model.named_parameters())
+    x = torch.tensor([[1.0, 5.0, 2.0]])
+    assert recl.margins(model, params, x, torch.tensor([1])).item() == pytest.approx(3.0)
+    assert recl.margins(model, params, x, torch.tensor([0])).item() == pytest.approx(-4.0)
+
+
+def test_smooth_relu_keeps_forward_and_smooths_backward():
+    z = torch.linspace(-1, 1, 9, requires_grad=True)
+    out = models.SmoothBackwardReLU(alpha=10.0)(z)
+    assert torch.equal(out, torch.relu(z))
+    (g,) = torch.autograd.grad(out.sum(), z)
+    torch.testing.assert_close(g, torch.sigmoid(10.0 * z.detach()))
+
+
+def test_reconstruction_recovers_training_data():
+    """Train a small homogeneous MLP to convergence on 8 real MNIST digits and reconstruct them."""
+    torch.manual_seed(0)
+    images, labels = data.load_mnist_subset()
+    idx = torch.cat([(labels == c).nonzero()[:4, 0] for c in (3, 7)])
+    x = images[idx].float() / 255
+    x = x - x.mean(0)
+    y = (labels[idx] == 7).long()
+    model = models.MLP(784, 2, hidden=100)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for _ in range(2000):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert F.cross_entropy(model(x), y).item() < 1e-3
+
+    cfg = config(n_rec=1000, sigma_x=1e-3, lr_x=0.1, lr_lambda=0.1, lambda_min=0.05, alpha=100.0)
+    labels_rec = recl.candidate_labels(2, 8, 1, "cil")
+    x_rec, _, report = recl.reconstruct(model, labels_rec, (1, 28, 28), cfg, log=lambda *a: None)
+    assert report["last_loss"] < 0.9 * report["first_loss"]
+    # cosine similarity of each training image to its nearest reconstruction,
+    # against the same for random candidates (measured: about 0.64 vs 0.08)
+    found = nearest_cosine(x_rec, x)
+    random = nearest_cosine(torch.randn(16, 1, 28, 28), x)
+    assert found.mean() > 0.5, found
+    assert found.mean() > random.mean() + 0.4
+
+
+def test_nonfinite_reconstruction_is_dropped_not_trained_on():
+    torch.manual_seed(0)
+    model = models.MLP(16, 2, hidden=8)
+    cfg = config(n_rec=50, lr_x=1e30, lr_lambda=1e30)
+    messages = []
+    x, y, report = recl.reconstruct(model, torch.tensor([0, 1] * 4), (16,), cfg, log=messages.append)
+    assert torch.isfinite(x).all()
+    assert len(x) == len(y) == report["kept"] <= 8
+    assert any("not finite" in m for m in messages)
+
+
+def test_candidate_labels_cover_old_classes_evenly():
+    assert recl.candidate_labels(4, 3, 2, "cil").tolist() == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3
+    # DIL: the two labels are shared by all tasks, so m per class per old task
+    assert recl.candidate_labels(2, 3, 2, "dil").tolist() == [0] * 6 + [1] * 6
+
+
+# --- metrics ---------------------------------------------------------------------
+
+def test_acc_and_bwt_on_a_hand_example():
+    R = [[90.0, None, None],
+         [60.0, 80.0, None],
+         [50.0, 70.0, 95.0]]
+    acc, bwt = recl.acc_and_bwt(R)
+    assert acc == pytest.approx((50 + 70 + 95) / 3)
+    assert bwt == pytest.approx(((50 - 90) + (70 - 80)) / 2)
+
+
+# --- models ------------------------------------------------------------------------
+
+def test_grown_head_keeps_old_outputs_and_first_layer_is_small():
+    torch.manual_seed(0)
+    model = models.MLP(10, 2)
+    assert model.fc1.weight.abs().max() < 1e-3
+    assert model.fc2.bias is None and model.head.bias is None
+    x = torch.randn(4, 10)
+    before = model(x)
+    models.grow_head(model, 5)
+    after = model(x)
+    assert after.shape == (4, 5)
+    torch.testing.assert_close(after[:, :2], before)
+
+
+# --- strategies --------------------------------------------------------------------
+
+def test_agem_projection_removes_conflict_with_memory_gradient():
+    torch.manual_seed(0)
+    model = models.MLP(6, 2, hidden=5, first_init_scale=1.0)
+    state = strategies.new_state("agem", agem_batch=10)
+    mx, my = torch.randn(10, 6), torch.randint(0, 2, (10,))
+    state["memory_x"], state["memory_y"] = mx, my
+    params = list(model.parameters())
+    g_ref = torch.autograd.grad(F.cross_entropy(model(mx), my), params)
+    flat_ref = torch.cat([g.flatten() for g in g_ref])
+    for p, g in zip(params, g_ref):  # a gradient that conflicts: -g_ref plus noise
+        p.grad = -g + 0.1 * torch.randn_like(g)
+    assert torch.cat([p.grad.flatten() for p in params]) @ flat_ref < 0
+    strategies.agem_after_backward(model, state)
+    projected = torch.cat([p.grad.flatten() for p in params])
+    assert projected @ flat_ref == pytest.approx(0.0, abs=1e-6)
+    # a gradient that agrees with the memory is left alone
+    for p, g in zip(params, g_ref):
+        p.grad = g.clone()
+    strategies.agem_after_backward(model, state)
+    torch.testing.assert_close(torch.cat([p.grad.flatten() for p in params]), flat_ref)
+
+
+def test_gpm_bases_are_orthonormal_and_projected_gradients_orthogonal_to_them():
+    torch.manual_seed(0)
+    model = models.MLP(20, 3, hidden=16, first_init_scale=1.0)
+    state = strategies.new_state("gpm", gpm_threshold=0.9)
+    for task_seed in range(2):  # two tasks: the second extends the bases
+        x = torch.randn(30, 20) @ torch.randn(20, 20)[:, :20] * (task_seed + 1)
+        strategies.gpm_after_task(model, data.Task([0], x, None, None, None), state)
+    for name, basis in state["bases"].items():
+        torch.testing.assert_close(basis.T @ basis, torch.eye(basis.shape[1]), atol=1e-5, rtol=0)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    strategies.gpm_after_backward(model, state)
+    for name, layer in strategies.linear_layers(model).items():
+        residual = layer.weight.grad @ state["bases"][name]
+        assert residual.abs().max() < 1e-5, name
+
+
+def test_gpm_basis_holds_the_threshold_of_energy():
+    torch.manual_seed(0)
+    activations = torch.randn(10, 40) * torch.linspace(3, 0.1, 10)[:, None]
+    basis = strategies.extend_basis(None, activations, 0.9)
+    kept = (basis.T @ activations).pow(2).sum() / activations.pow(2).sum()
+    assert kept >= 0.9
+    smaller = basis[:, :-1]  # one vector fewer would not be enough
+    assert (smaller.T @ activations).pow(2).sum() / activations.pow(2).sum() < 0.9
+
+
+def test_ewc_leaves_new_head_rows_free_and_penalises_old_weights():
+    torch.manual_seed(0)
+    model = models.MLP(6, 2, hidden=5, first_init_scale=1.0)
+    state = strategies.new_state("ewc")
+    x, y = torch.randn(8, 6), torch.randint(0, 2, (8,))
+    strategies.ewc_after_task(model, data.Task([0, 1], x, y, None, None), state)
+    models.grow_head(model, 4)
+    with torch.no_grad():
+        model.head.weight[2:] += 5.0  # moving only new rows costs nothing
+    assert float(strategies.ewc_loss(model, x, y, None, state)) == 0.0
+    with torch.no_grad():
+        model.head.weight[:2] += 0.5
+    assert float(strategies.ewc_loss(model, x, y, None, state)) > 0.0
+
+
+def test_lwf_loss_is_zero_against_itself_and_positive_after_change():
+    torch.manual_seed(0)
+    model = models.MLP(6, 2, hidden=5, first_init_scale=1.0)
+    state = strategies.new_state("lwf")
+    x = torch.randn(8, 6)
+    strategies.lwf_after_task(model, None, state)
+    assert float(strategies.lwf_loss(model, x, None, model(x), state)) == pytest.approx(0.0, abs=1e-6)
+    models.grow_head(model, 4)
+    with torch.no_grad():
+        model.head.weight[:2] *= 3
+    assert float(strategies.lwf_loss(model, x, None, model(x), state)) > 1e-4
+
+
+@pytest.mark.parametrize("scenario", ["cil", "dil"])
+@pytest.mark.parametrize("method", list(strategies.STRATEGIES))
+def test_every_method_runs_with_and_without_recl(method, scenario):
+    tasks = synthetic_tasks(scenario)
+    cfg = config(scenario=scenario, epochs=2, n_rec=3, m=2)
+    for use_recl in (False, True):
+        record = recl.run_continual(cfg, tasks, method, use_recl, log=lambda *a: None)
+        R = record["acc_matrix"]
+        assert all(R[t][i] is not None for t in range(3) for i in range(t + 1))
+        assert all(R[t][i] is None for t in range(3) for i in range(t + 1, 3))
+        assert 0.0 <= record["ACC"] <= 100.0
+        if use_recl:  # one reconstruction before each task after the first
+            expected = [2 * 2, 4 * 2] if scenario == "cil" else [2 * 2, 2 * 2 * 2]
+            assert [r["candidates"] for r in record["reconstructions"]] == expected
+        else:
+            assert record["reconstructions"] == []
+
+
+def test_recl_helps_finetune_remember_on_synthetic_cil():
+    tasks = synthetic_tasks("cil", per_class=20)
+    cfg = config(scenario="cil", epochs=10, lr=0.05, n_rec=100, m=20)
+    quiet = lambda *a: None
+    base = recl.run_continual(cfg, tasks, "finetune", False, quiet)
+    with_recl = recl.run_continual(cfg, tasks, "finetune", True, quiet)
+    assert with_recl["BWT"] > base["BWT"]
+
+
+def test_same_seed_gives_same_numbers():
+    tasks = synthetic_tasks("cil")
+    cfg = config(epochs=2, n_rec=5, m=2)
+    runs = [recl.run_continual(cfg, tasks, "ewc", True, lambda *a: None) for _ in range(2)]
+    assert runs[0]["acc_matrix"] == runs[1]["acc_matrix"]
+
+
+# --- data ------------------------------------------------------------------------
+
+def test_split_mnist_layout():
+    tasks, order, mean = data.split_mnist(seed=3, n_per_class=20, scenario="cil")
+    assert sorted(order) == list(range(10)) and len(tasks) == 5
+    assert order == data.split_mnist(seed=3, n_per_class=20)[1]
+    assert order != data.split_mnist(seed=4, n_per_class=20)[1]
+    for t, task in enumerate(tasks):
+        assert task.classes == order[2 * t:2 * t + 2]
+        assert task.x_train.shape == (40, 1, 28, 28) and task.x_test.shape == (2 * 480, 1, 28, 28)
+        assert sorted(set(task.y_train.tolist())) == [2 * t, 2 * t + 1]
+    x_all = torch.cat([t.x_train for t in tasks])
+    assert x_all.mean(0).abs().max() < 1e-5  # the training mean image is subtracted
+    assert x_all.abs().max() <= 1.0
+    dil, _, _ = data.split_mnist(seed=3, n_per_class=20, scenario="dil")
+    assert all(sorted(set(t.y_test.tolist())) == [0, 1] for t in dil)
+    torch.testing.assert_close(dil[2].x_train, tasks[2].x_train)
+
+
+def test_missing_and_corrupt_dataset_files_raise_data_error(tmp_path):
+    with pytest.raises(data.DataError, match="not found"):
+        data.load_mnist_subset(tmp_path / "nope.csv.gz")
+    bad = tmp_path / "bad.csv.gz"
+    bad.write_bytes(b"this is not gzip")
+    with pytest.raises(data.DataError, match="not a gzip CSV"):
+        data.load_mnist_subset(bad)
+    short = tmp_path / "short.csv.gz"
+    short.write_bytes(gzip.compress(b"1,2,3\n"))
+    with pytest.raises(data.DataError):
+        data.load_mnist_subset(short)
+
+
+# --- command line ------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, words", [
+    (["--method", "magic"], "invalid choice"),
+    (["--lr", "-1"], "--lr must be a positive"),
+    (["--lr", "nan"], "--lr must be a positive"),
+    (["--epochs", "0"], "--epochs must be a positive"),
+    (["--n-per-class", "600"], "more than mnist allows"),
+    (["--m", "0"], "--m must be a positive"),
+    (["--seeds", "two"], "invalid int"),
+])
+def test_bad_cli_values_are_rejected_with_a_reason(argv, words):
+    with pytest.raises(recl.UsageError, match=words):
+        recl.main(argv)
+
+
+def test_bad_cli_input_exits_nonzero_with_one_line():
+    result = subprocess.run([sys.executable, str(HERE / "recl.py"), "--method", "magic"],
+                            capture_output=True, text=True, cwd=HERE)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "invalid choice: 'magic'" in lines[0]
+
+
+def test_main_writes_one_json_per_run(tmp_path, capsys):
+    recl.main(["--method", "finetune", "--variant", "both", "--epochs", "1", "--n-per-class", "5",
+               "--n-rec", "2", "--out", str(tmp_path), "--quiet"])
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["mnist-cil-finetune+recl-seed0.json", "mnist-cil-finetune-seed0.json"]
+    record = json.loads((tmp_path / files[0]).read_text())
+    for key in ("method", "recl", "scenario", "dataset", "seed", "class_order", "acc_matrix",
+                "ACC", "BWT", "seconds", "config"):
+        assert key in record
+    assert record["recl"] is True and record["config"]["n_rec"] == 2
+    assert "| finetune+recl |" in capsys.readouterr().out
