@@ -272,7 +272,7 @@ def make_parser():
     p.add_argument("--seed", type=int, default=0, help="first seed")
     g = p.add_argument_group("training")
     g.add_argument("--epochs", type=int, default=20)
-    g.add_argument("--lr", type=float, default=0.01)
+    g.add_argument("--lr", type=float, default=0.05)
     g.add_argument("--batch-size", type=int, default=64)
     g.add_argument("--n-per-class", type=int, default=100, help="training images per class")
     g = p.add_argument_group("reconstruction")

@@ -220,10 +220,10 @@ def test_ewc_leaves_new_head_rows_free_and_penalises_old_weights():
     models.grow_head(model, 4)
     with torch.no_grad():
         model.head.weight[2:] += 5.0  # moving only new rows costs nothing
-    assert float(strategies.ewc_loss(model, x, y, None, state)) == 0.0
+    assert strategies.ewc_loss(model, x, y, None, state).item() == 0.0
     with torch.no_grad():
         model.head.weight[:2] += 0.5
-    assert float(strategies.ewc_loss(model, x, y, None, state)) > 0.0
+    assert strategies.ewc_loss(model, x, y, None, state).item() > 0.0
 
 
 def test_lwf_loss_is_zero_against_itself_and_positive_after_change():
@@ -232,11 +232,11 @@ def test_lwf_loss_is_zero_against_itself_and_positive_after_change():
     state = strategies.new_state("lwf")
     x = torch.randn(8, 6)
     strategies.lwf_after_task(model, None, state)
-    assert float(strategies.lwf_loss(model, x, None, model(x), state)) == pytest.approx(0.0, abs=1e-6)
+    assert strategies.lwf_loss(model, x, None, model(x), state).item() == pytest.approx(0.0, abs=1e-6)
     models.grow_head(model, 4)
     with torch.no_grad():
         model.head.weight[:2] *= 3
-    assert float(strategies.lwf_loss(model, x, None, model(x), state)) > 1e-4
+    assert strategies.lwf_loss(model, x, None, model(x), state).item() > 1e-4
 
 
 @pytest.mark.parametrize("scenario", ["cil", "dil"])
@@ -339,4 +339,4 @@ def test_main_writes_one_json_per_run(tmp_path, capsys):
                 "ACC", "BWT", "seconds", "config"):
         assert key in record
     assert record["recl"] is True and record["config"]["n_rec"] == 2
-    assert "| finetune+recl |" in capsys.readouterr().out
+    assert "finetune+recl cil seed 0: ACC" in capsys.readouterr().out
