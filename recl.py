@@ -137,10 +137,10 @@ def reconstruct(model, labels, input_shape, cfg, log=print):
     for step in range(cfg.n_rec):
         l_rec, l_lambda, l_prior = reconstruction_losses(net, params, x, labels, lam, cfg.lambda_min)
         loss = l_rec + l_lambda + l_prior
+        first_loss = loss.item() if step == 0 else first_loss
         if not torch.isfinite(loss):
             log(f"    reconstruction stopped at step {step}: the loss is not finite")
             break
-        first_loss = loss.item() if first_loss is None else first_loss
         opt_x.zero_grad()
         opt_lam.zero_grad()
         loss.backward()

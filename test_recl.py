@@ -340,3 +340,44 @@ def test_main_writes_one_json_per_run(tmp_path, capsys):
         assert key in record
     assert record["recl"] is True and record["config"]["n_rec"] == 2
     assert "finetune+recl cil seed 0: ACC" in capsys.readouterr().out
+
+
+# --- results files and run_all.sh ------------------------------------------------
+
+def fake_record(method, use_recl, seed, acc, bwt, scenario="cil"):
+    return {"method": method, "recl": use_recl, "scenario": scenario, "dataset": "mnist",
+            "seed": seed, "ACC": acc, "BWT": bwt, "seconds": 10.0}
+
+
+def test_aggregate_gives_mean_and_std_per_variant_and_ignores_partial_files(tmp_path):
+    for seed, (acc, bwt) in enumerate([(50, -40), (60, -30), (70, -20)]):
+        recl.write_json_atomically(tmp_path / f"a{seed}.json", fake_record("ewc", False, seed, acc, bwt))
+    recl.write_json_atomically(tmp_path / "b.json", fake_record("ewc", True, 0, 80, -5))
+    recl.write_json_atomically(tmp_path / "c.json", fake_record("finetune", False, 0, 40, -50, "dil"))
+    (tmp_path / ".d.json.123.tmp").write_text('{"half a')  # a run killed mid-write
+    table = recl.aggregate(tmp_path)
+    assert "| ewc | 3 | 60.00 (10.00) | -30.00 (10.00) | 10.0 |" in table
+    assert "| ewc+recl | 1 | 80.00 (0.00) | -5.00 (0.00) | 10.0 |" in table
+    cil, dil = table.split("### mnist, DIL")
+    assert "finetune" not in cil and "| finetune | 1 | 40.00 (0.00)" in dil
+
+
+def test_write_json_atomically_leaves_no_temporary_file(tmp_path):
+    path = tmp_path / "sub" / "run.json"
+    recl.write_json_atomically(path, {"ACC": 1.5})
+    assert json.loads(path.read_text()) == {"ACC": 1.5}
+    assert [p.name for p in path.parent.iterdir()] == ["run.json"]
+
+
+def test_run_all_skips_runs_that_already_have_results(tmp_path):
+    recl.write_json_atomically(tmp_path / "mnist-cil-finetune-seed0.json", fake_record("finetune", False, 0, 1, 1))
+    env = {"PATH": "/usr/bin:/bin", "DRY_RUN": "1", "SEEDS": "2", "METHODS": "finetune gpm",
+           "SCENARIOS": "cil", "RESULTS": str(tmp_path), "DATASETS": "mnist cifar10"}
+    result = subprocess.run(["bash", str(HERE / "run_all.sh"), "--epochs", "3"],
+                            capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    runs = [line for line in result.stdout.splitlines() if "recl.py" in line]
+    assert len(runs) == 7  # 2 methods x 2 variants x 2 seeds, less the finished one
+    assert not any("--method finetune --variant base --seed 0" in r for r in runs)
+    assert all(r.rstrip().endswith("--epochs 3") for r in runs)
+    assert "skipping cifar10" in result.stderr
