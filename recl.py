@@ -115,6 +115,12 @@ def candidate_labels(n_outputs, m_per_class, n_old_tasks, scenario):
     return torch.arange(n_outputs).repeat_interleave(per_class)
 
 
+def initial_candidates(m, input_shape, sigma_x, seed):
+    """x_i ~ N(0, sigma_x^2 I) (Sec. 4.1) and lambda_i ~ U(0, 1), reproducibly."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(m, *input_shape, generator=gen) * sigma_x, torch.rand(m, generator=gen)
+
+
 def reconstruct(model, labels, input_shape, cfg, log=print):
     """Step 1 of ReCL: recover look-alikes of old training data from `model` alone.
 
@@ -127,9 +133,8 @@ def reconstruct(model, labels, input_shape, cfg, log=print):
     net = models.with_smooth_relu(model, cfg.alpha).eval()  # smooth backward, exact forward
     params = {k: v.detach() for k, v in net.named_parameters()}
     labels = labels.to(device)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    x = (torch.randn(len(labels), *input_shape, generator=gen) * cfg.sigma_x).to(device).requires_grad_()
-    lam = torch.rand(len(labels), generator=gen).to(device).requires_grad_()
+    x, lam = initial_candidates(len(labels), input_shape, cfg.sigma_x, cfg.seed)
+    x, lam = x.to(device).requires_grad_(), lam.to(device).requires_grad_()
     opt_x = torch.optim.SGD([x], lr=cfg.lr_x, momentum=0.9)
     opt_lam = torch.optim.SGD([lam], lr=cfg.lr_lambda, momentum=0.9)
 
@@ -153,6 +158,96 @@ def reconstruct(model, labels, input_shape, cfg, log=print):
               "first_loss": first_loss, "last_loss": loss.item(),
               "last_l_rec": l_rec.item(), "seconds": round(time.time() - start, 2)}
     return x[finite], labels[finite], report
+
+
+# -----------------------------------------------------------------------------
+# 1b. How good are the reconstructions? (App. E)
+# -----------------------------------------------------------------------------
+# Reporting only: training never sees these real images. For each real image
+# we find its nearest reconstruction by L2 distance after standardising both
+# sets, add the training mean image back to both, stretch each image to
+# [0, 1] and compute SSIM. Haim et al. (2022) count SSIM > 0.4 as recovered.
+
+def ssim(a, b, window=11, sigma=1.5):
+    """Mean SSIM (Wang et al. 2004) of each image pair in [0, 1]; Gaussian window, valid borders."""
+    channels, size = a.shape[1], min(window, a.shape[-2], a.shape[-1])
+    g = torch.exp(-(torch.arange(size, dtype=a.dtype, device=a.device) - (size - 1) / 2) ** 2 / (2 * sigma ** 2))
+    kernel = (torch.outer(g, g) / g.sum() ** 2).expand(channels, 1, size, size)
+    blur = lambda t: F.conv2d(t, kernel, groups=channels)
+    mu_a, mu_b = blur(a), blur(b)
+    var_a, var_b = blur(a * a) - mu_a ** 2, blur(b * b) - mu_b ** 2
+    cov = blur(a * b) - mu_a * mu_b
+    c1, c2 = 0.01 ** 2, 0.03 ** 2
+    index = (2 * mu_a * mu_b + c1) * (2 * cov + c2) / ((mu_a ** 2 + mu_b ** 2 + c1) * (var_a + var_b + c2))
+    return index.flatten(1).mean(1)
+
+
+def nearest_candidates(reference, candidates):
+    """Index of the nearest candidate for each reference image, each set standardised on its own."""
+    def standardise(t):
+        t = t.flatten(1)
+        return (t - t.mean(0)) / t.std().clamp_min(1e-12)
+    return torch.cdist(standardise(reference), standardise(candidates)).argmin(1)
+
+
+def as_picture(x, mean_image):
+    """Undo the mean subtraction and stretch each image to [0, 1]."""
+    x = x + mean_image
+    low = x.flatten(1).min(1).values.view(-1, *[1] * (x.dim() - 1))
+    high = x.flatten(1).max(1).values.view(-1, *[1] * (x.dim() - 1))
+    return (x - low) / (high - low).clamp_min(1e-12)
+
+
+def reconstruction_quality(reference, candidates, mean_image):
+    """SSIM of every reference image with its nearest candidate, and those candidates' indices."""
+    nearest = nearest_candidates(reference, candidates)
+    scores = ssim(as_picture(reference, mean_image), as_picture(candidates[nearest], mean_image))
+    return scores, nearest
+
+
+def save_pairs(path, reference, candidates, nearest, mean_image, n=32):
+    """PNG grid: rows of real images, each row followed by the nearest reconstructions."""
+    from torchvision.utils import save_image
+    real = as_picture(reference[:n], mean_image)
+    found = as_picture(candidates[nearest[:n]], mean_image)
+    rows = [t for pair in zip(real.split(16), found.split(16)) for t in pair]
+    save_image(torch.cat(rows).cpu(), path, nrow=16, padding=1, pad_value=1.0)
+
+
+# -----------------------------------------------------------------------------
+# 1c. Tuning the reconstruction during training (Sec. 4.3)
+# -----------------------------------------------------------------------------
+# naive: the defaults. unsup: random search, keeping the trial with the lowest
+# final L_full; it needs no old data. sup: the same search scored by SSIM
+# against a small buffer of real old images (an ablation: it stores data).
+# Ranges from the paper's App. C and Table 9; the first four are log-uniform.
+
+SEARCH_SPACE = {"sigma_x": (1e-5, 1.0, "log"), "lr_x": (1e-5, 1.0, "log"),
+                "lr_lambda": (1e-5, 1.0, "log"), "lambda_min": (0.01, 0.5, "log"),
+                "alpha": (10.0, 500.0, "linear")}
+
+
+def sample_hyperparameters(gen):
+    draws = {}
+    for name, (low, high, scale) in SEARCH_SPACE.items():
+        u = torch.rand(1, generator=gen).item()
+        draws[name] = math.exp(math.log(low) + u * math.log(high / low)) if scale == "log" else low + u * (high - low)
+    return draws
+
+
+def search_reconstruction(model, labels, input_shape, cfg, score, seed, log=print):
+    """Random search: run `cfg.trials` reconstructions, return the one `score` rates highest."""
+    gen = torch.Generator().manual_seed(seed)
+    best = None
+    for trial in range(cfg.trials):
+        hp = sample_hyperparameters(gen)
+        x, y, report = reconstruct(model, labels, input_shape, argparse.Namespace(**{**vars(cfg), **hp}), log)
+        value = score(x, report) if math.isfinite(report["last_loss"]) and len(x) else -math.inf
+        log(f"    trial {trial + 1}/{cfg.trials}: " + " ".join(f"{k} {v:.3g}" for k, v in hp.items())
+            + f" -> score {value:.4g}")
+        if best is None or value > best[0]:
+            best = (value, x, y, {**report, "hyperparameters": hp, "score": value})
+    return best[1:]
 
 
 # =============================================================================
@@ -201,30 +296,75 @@ def train_task(model, x, y, hooks, state, cfg):
     return total / len(x)  # mean loss of the last epoch
 
 
-def run_continual(cfg, tasks, method, use_recl, log=print):
+def reference_buffer(old_tasks, fraction, seed):
+    """A few real images of each old task: only the supervised search and reporting use them."""
+    gen = torch.Generator().manual_seed(seed)
+    picks = [t.x_train[torch.randperm(len(t.x_train), generator=gen)[:max(1, round(fraction * len(t.x_train)))]]
+             for t in old_tasks]
+    return torch.cat(picks)
+
+
+def reconstruct_old_data(model, old_tasks, cfg, mean_image, seed, log=print):
+    """Step 1 before a new task: reconstruct with the chosen tuning strategy (Sec. 4.3)."""
+    input_shape = old_tasks[0].x_train.shape[1:]
+    labels = candidate_labels(model.head.out_features, cfg.m, len(old_tasks), cfg.scenario)
+    if cfg.tuning == "naive":
+        return reconstruct(model, labels, input_shape, cfg, log)
+    if cfg.tuning == "unsup":
+        score = lambda x, report: -report["last_loss"]
+    else:
+        buffer = reference_buffer(old_tasks, 0.1, seed)
+        score = lambda x, report: reconstruction_quality(buffer, x, mean_image)[0].mean().item()
+    return search_reconstruction(model, labels, input_shape, cfg, score, seed, log)
+
+
+def judge_reconstruction(old_tasks, x_rec, cfg, mean_image):
+    """Reporting only: SSIM of the old real images with their nearest reconstructions and,
+    for comparison, with the random candidates the search started from."""
+    real = torch.cat([t.x_train for t in old_tasks])
+    start, _ = initial_candidates(len(x_rec), real.shape[1:], cfg.sigma_x, cfg.seed)
+    found, nearest = reconstruction_quality(real, x_rec, mean_image)
+    random, _ = reconstruction_quality(real, start.to(real.device), mean_image)
+    quality = {"mean_ssim": found.mean().item(), "frac_ssim_above_0_4": (found > 0.4).float().mean().item(),
+               "init_mean_ssim": random.mean().item(),
+               "init_frac_ssim_above_0_4": (random > 0.4).float().mean().item()}
+    return quality, real, nearest
+
+
+def run_continual(cfg, tasks, method, use_recl, log=print, mean_image=None):
     """Train one model through all tasks (ReCL optional); return the run's record."""
     start = time.time()
     torch.manual_seed(cfg.seed)  # the same init and shuffles for both variants
     device = torch.device(cfg.device)
     tasks = [data.Task(t.classes, *(v.to(device) for v in t[1:])) for t in tasks]
+    mean_image = torch.zeros(tasks[0].x_train.shape[1:]) if mean_image is None else mean_image
+    mean_image = mean_image.to(device)
     per_task = len(tasks[0].classes)
-    input_shape = tasks[0].x_train.shape[1:]
-    model = models.build_model(cfg.model, input_shape, per_task).to(device)
+    model = models.build_model(cfg.model, tasks[0].x_train.shape[1:], per_task).to(device)
     hooks, state = strategies.STRATEGIES[method], strategies.new_state(method)
     name = method + ("+recl" if use_recl else "")
     R = [[None] * len(tasks) for _ in tasks]
-    reconstructions = []
+    reconstructions, recon_quality = [], []
 
     for t, task in enumerate(tasks):
         task_start = time.time()
         x, y = task.x_train, task.y_train
         if use_recl and t > 0:
             # Step 1: reconstruct old data from the model as it is after task t-1.
-            labels = candidate_labels(model.head.out_features, cfg.m, t, cfg.scenario)
-            x_rec, y_rec, report = reconstruct(model, labels, input_shape, cfg, log)
+            x_rec, y_rec, report = reconstruct_old_data(model, tasks[:t], cfg, mean_image, cfg.seed * 100 + t, log)
             reconstructions.append({"task": t + 1, **report})
             log(f"  [{name}] task {t + 1}: reconstructed {report['kept']}/{report['candidates']} "
                 f"in {report['seconds']}s, loss {report['first_loss']:.4g} -> {report['last_loss']:.4g}")
+            if len(x_rec):
+                quality, real, nearest = judge_reconstruction(tasks[:t], x_rec, cfg, mean_image)
+                recon_quality.append({"task": t + 1, **quality})
+                log(f"  [{name}] task {t + 1}: SSIM to nearest real image {quality['mean_ssim']:.3f} "
+                    f"(random candidates {quality['init_mean_ssim']:.3f}), "
+                    f"{100 * quality['frac_ssim_above_0_4']:.0f}% above 0.4")
+                if cfg.save_images:
+                    path = Path(cfg.out) / f"{cfg.dataset}-{cfg.scenario}-{name}-seed{cfg.seed}-task{t + 1}.png"
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    save_pairs(path, real, x_rec, nearest, mean_image)
             # Step 2: train on reconstructions and new data together.
             x, y = torch.cat([x, x_rec]), torch.cat([y, y_rec])
         if cfg.scenario == "cil":
@@ -239,7 +379,8 @@ def run_continual(cfg, tasks, method, use_recl, log=print):
     acc, bwt = acc_and_bwt(R)
     return {"method": method, "recl": use_recl, "scenario": cfg.scenario, "dataset": cfg.dataset,
             "seed": cfg.seed, "acc_matrix": R, "ACC": acc, "BWT": bwt,
-            "seconds": round(time.time() - start, 2), "reconstructions": reconstructions}
+            "seconds": round(time.time() - start, 2), "reconstructions": reconstructions,
+            "recon_quality": recon_quality}
 
 
 # =============================================================================
@@ -283,6 +424,10 @@ def make_parser():
     g.add_argument("--lr-lambda", type=float, default=0.1)
     g.add_argument("--lambda-min", type=float, default=0.05)
     g.add_argument("--alpha", type=float, default=100.0, help="sharpness of the smooth ReLU backward")
+    g.add_argument("--tuning", choices=["naive", "unsup", "sup"], default="naive",
+                   help="reconstruction hyperparameters: defaults, or random search per task (Sec. 4.3)")
+    g.add_argument("--trials", type=int, default=10, help="random-search trials per task")
+    g.add_argument("--save-images", action="store_true", help="PNG grid of reconstructions per task")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--out", default="results", help="folder for one JSON file per run")
     p.add_argument("--quiet", action="store_true", help="no per-task progress")
@@ -295,7 +440,7 @@ def check_args(cfg):
     positive = {"epochs": cfg.epochs, "lr": cfg.lr, "batch-size": cfg.batch_size,
                 "n-per-class": cfg.n_per_class, "n-rec": cfg.n_rec, "sigma-x": cfg.sigma_x,
                 "lr-x": cfg.lr_x, "lr-lambda": cfg.lr_lambda, "lambda-min": cfg.lambda_min,
-                "alpha": cfg.alpha, "seeds": cfg.seeds}
+                "alpha": cfg.alpha, "seeds": cfg.seeds, "trials": cfg.trials}
     if cfg.m is not None:
         positive["m"] = cfg.m
     for flag, value in positive.items():
@@ -375,12 +520,12 @@ def main(argv=None):
     variants = {"both": [False, True], "base": [False], "recl": [True]}[cfg.variant]
     records = []
     for seed in range(cfg.seed, cfg.seed + cfg.seeds):
-        tasks, class_order, _ = data.split_mnist(seed, cfg.n_per_class, cfg.scenario)
+        tasks, class_order, mean_image = data.split_mnist(seed, cfg.n_per_class, cfg.scenario)
         for use_recl in variants:
             run_cfg = argparse.Namespace(**{**vars(cfg), "seed": seed})
             name = cfg.method + ("+recl" if use_recl else "")
             log(f"{name} | {cfg.scenario} | {cfg.dataset} | seed {seed} | class order {class_order}")
-            record = run_continual(run_cfg, tasks, cfg.method, use_recl, log)
+            record = run_continual(run_cfg, tasks, cfg.method, use_recl, log, mean_image)
             record.update(class_order=class_order, config=vars(run_cfg))
             path = result_path(cfg.out, cfg, cfg.method, use_recl, seed)
             write_json_atomically(path, record)
