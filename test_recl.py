@@ -381,3 +381,70 @@ def test_run_all_skips_runs_that_already_have_results(tmp_path):
     assert not any("--method finetune --variant base --seed 0" in r for r in runs)
     assert all(r.rstrip().endswith("--epochs 3") for r in runs)
     assert "skipping cifar10" in result.stderr
+
+
+# --- reconstruction quality and tuning ------------------------------------------
+
+def test_ssim_identical_is_one_symmetric_and_lowered_by_noise():
+    torch.manual_seed(0)
+    a = torch.rand(3, 1, 28, 28)
+    b = (a + 0.2 * torch.randn_like(a)).clamp(0, 1)
+    torch.testing.assert_close(recl.ssim(a, a), torch.ones(3))
+    torch.testing.assert_close(recl.ssim(a, b), recl.ssim(b, a))
+    assert (recl.ssim(a, b) < 0.9).all()
+    more = (a + 0.5 * torch.randn_like(a)).clamp(0, 1)
+    assert (recl.ssim(a, more) < recl.ssim(a, b)).all()
+    # hand check on constant images: SSIM = (2 mu_a mu_b + c1) / (mu_a^2 + mu_b^2 + c1)
+    c1 = 0.01 ** 2
+    flat_a = torch.full((1, 1, 11, 11), 0.2, dtype=torch.float64)
+    flat_b = torch.full((1, 1, 11, 11), 0.6, dtype=torch.float64)
+    expected = (2 * 0.2 * 0.6 + c1) / (0.2 ** 2 + 0.6 ** 2 + c1)
+    assert recl.ssim(flat_a, flat_b).item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_nearest_candidates_finds_shuffled_rescaled_copies():
+    torch.manual_seed(0)
+    reference = torch.randn(10, 1, 8, 8)
+    order = torch.randperm(10)
+    candidates = torch.cat([3.0 * reference[order] + 0.01 * torch.randn(10, 1, 8, 8), torch.randn(5, 1, 8, 8)])
+    nearest = recl.nearest_candidates(reference, candidates)
+    assert torch.equal(order[nearest], torch.arange(10))
+    scores, _ = recl.reconstruction_quality(reference, candidates, torch.zeros(1, 8, 8))
+    assert (scores > 0.95).all()
+
+
+def test_random_search_is_reproducible_and_stays_in_range():
+    draws = [recl.sample_hyperparameters(torch.Generator().manual_seed(5)) for _ in range(2)]
+    assert draws[0] == draws[1]
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        hp = recl.sample_hyperparameters(gen)
+        for name, (low, high, _) in recl.SEARCH_SPACE.items():
+            assert low <= hp[name] <= high
+
+
+@pytest.mark.parametrize("tuning", ["unsup", "sup"])
+def test_tuned_reconstruction_records_its_choice(tuning):
+    tasks = synthetic_tasks("cil", n_tasks=2)
+    cfg = config(epochs=2, n_rec=5, m=3, tuning=tuning, trials=3)
+    lines = []
+    record = recl.run_continual(cfg, tasks, "finetune", True, lines.append)
+    assert sum("trial" in line for line in lines) == 3
+    (report,) = record["reconstructions"]
+    assert set(report["hyperparameters"]) == set(recl.SEARCH_SPACE)
+    again = recl.run_continual(cfg, tasks, "finetune", True, lambda *a: None)
+    assert again["reconstructions"][0]["hyperparameters"] == report["hyperparameters"]
+    assert again["acc_matrix"] == record["acc_matrix"]
+
+
+def test_recon_quality_and_image_grid_are_written(tmp_path):
+    tasks = synthetic_tasks("cil", n_tasks=3, shape=(1, 12, 12))
+    cfg = config(epochs=2, n_rec=5, m=3, save_images=True, out=str(tmp_path))
+    record = recl.run_continual(cfg, tasks, "finetune", True, lambda *a: None)
+    assert [q["task"] for q in record["recon_quality"]] == [2, 3]
+    for q in record["recon_quality"]:
+        for key in ("mean_ssim", "frac_ssim_above_0_4", "init_mean_ssim", "init_frac_ssim_above_0_4"):
+            assert -1.0 <= q[key] <= 1.0
+    pngs = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert pngs == ["mnist-cil-finetune+recl-seed0-task2.png", "mnist-cil-finetune+recl-seed0-task3.png"]
+    assert (tmp_path / pngs[0]).read_bytes()[:4] == b"\x89PNG"
