@@ -4,7 +4,10 @@ Everything lives in memory as tensors. A task is a `Task` (its classes plus
 train and test tensors); loaders are plain DataLoaders over TensorDatasets.
 
 The offline default is SplitMNIST built from `data/mnist_5k.csv.gz`, 5,000 real
-MNIST images (500 per digit) shipped with the project.
+MNIST images (500 per digit) shipped with the project. The full MNIST, CIFAR10
+and TinyImageNet are read from their usual on-disk formats under a data root
+(and downloaded there when the machine is online); any other dataset can come
+as a `.pt` file (see `load_tensor_file`).
 """
 import gzip
 import hashlib
@@ -88,24 +91,195 @@ def split_into_tasks(x_train, y_train, x_test, y_test, class_order, classes_per_
     return tasks
 
 
-def split_mnist(seed, n_per_class=100, scenario="cil", classes_per_task=2, path=MNIST_SUBSET):
-    """SplitMNIST from the shipped subset, as in the paper (Sec. 5, App. D).
+# --- other datasets: real on-disk formats, downloaded when the machine is online ---
+
+def read_idx(path):
+    """An IDX file (MNIST's format), gzipped or not, as a uint8 tensor."""
+    raw = Path(path).read_bytes()
+    if raw[:2] == b"\x1f\x8b":
+        raw = gzip.decompress(raw)
+    if len(raw) < 4 or raw[:2] != b"\0\0" or raw[2] != 0x08:
+        raise DataError(f"{path} is not an unsigned-byte IDX file")
+    ndim = raw[3]
+    shape = [int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim)]
+    body = raw[4 + 4 * ndim:]
+    if len(body) != torch.Size(shape).numel():
+        raise DataError(f"{path} is truncated: header says {shape}")
+    return torch.frombuffer(bytearray(body), dtype=torch.uint8).view(shape)
+
+
+def find_file(folder, stem):
+    for name in (stem, stem + ".gz"):
+        if (Path(folder) / name).is_file():
+            return Path(folder) / name
+    return None
+
+
+def fetch(name, root, download):
+    """Run a torchvision download, or explain in one line how to get the files by hand."""
+    try:
+        download()
+    except Exception as err:  # offline machines fail in many ways (DNS, refused, timeout)
+        raise DataError(f"{name} is not under {root} and could not be downloaded ({type(err).__name__}); "
+                        f"on a machine with internet run this project once with --data-root {root}, "
+                        f"then copy the folder here") from None
+
+
+def load_mnist_full(root):
+    raw = Path(root) / "MNIST" / "raw"
+    stems = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
+    if not all(find_file(raw, s) for s in stems):
+        import torchvision
+        fetch("MNIST", root, lambda: torchvision.datasets.MNIST(root, download=True))
+    x_train, y_train, x_test, y_test = (read_idx(find_file(raw, s)) for s in stems)
+    return x_train[:, None], y_train.long(), x_test[:, None], y_test.long()
+
+
+def load_cifar10(root):
+    import pickle
+    folder = Path(root) / "cifar-10-batches-py"
+    if not folder.is_dir():
+        import torchvision
+        fetch("CIFAR10", root, lambda: torchvision.datasets.CIFAR10(root, download=True))
+
+    def batches(names):
+        xs, ys = [], []
+        for name in names:
+            try:  # the official python-pickle batches; only open files you trust
+                with open(folder / name, "rb") as f:
+                    batch = pickle.load(f, encoding="bytes")
+                xs.append(torch.as_tensor(batch[b"data"], dtype=torch.uint8).view(-1, 3, 32, 32))
+                ys.append(torch.tensor(batch[b"labels"]))
+            except (OSError, pickle.UnpicklingError, KeyError, EOFError, RuntimeError, TypeError) as err:
+                raise DataError(f"{folder / name} is missing or not a CIFAR10 batch ({err})") from None
+        return torch.cat(xs), torch.cat(ys)
+
+    return (*batches([f"data_batch_{i}" for i in range(1, 6)]), *batches(["test_batch"]))
+
+
+TINYIMAGENET_URL = "http://cs231n.stanford.edu/tiny-imagenet-200.zip"
+
+
+def load_tinyimagenet(root, n_classes=40):
+    """The tiny-imagenet-200 layout; like the paper, a fixed subset of 40 classes.
+
+    Train images come from train/<wnid>/images/, test images are the labelled
+    validation images (val/val_annotations.txt), since the test labels are secret.
+    """
+    from PIL import Image
+    from torchvision.transforms.functional import pil_to_tensor
+    folder = Path(root) / "tiny-imagenet-200"
+    if not folder.is_dir():
+        from torchvision.datasets.utils import download_and_extract_archive
+        fetch("TinyImageNet", root, lambda: download_and_extract_archive(TINYIMAGENET_URL, root))
+    wnids = sorted(p.name for p in (folder / "train").iterdir() if p.is_dir())[:n_classes]
+    read = lambda p: pil_to_tensor(Image.open(p).convert("RGB"))
+    x_train, y_train = [], []
+    for label, wnid in enumerate(wnids):
+        for p in sorted((folder / "train" / wnid / "images").iterdir()):
+            x_train.append(read(p))
+            y_train.append(label)
+    x_test, y_test = [], []
+    for line in (folder / "val" / "val_annotations.txt").read_text().splitlines():
+        file, wnid = line.split("\t")[:2]
+        if wnid in wnids:
+            x_test.append(read(folder / "val" / "images" / file))
+            y_test.append(wnids.index(wnid))
+    return torch.stack(x_train), torch.tensor(y_train), torch.stack(x_test), torch.tensor(y_test)
+
+
+def load_tensor_file(path):
+    """A user's dataset: torch.save({"x_train", "y_train", "x_test", "y_test"}, path).
+
+    x: [N, C, H, W] or [N, D], uint8 (0-255) or float (0-1); y: int64 labels 0..K-1.
+    """
+    try:
+        content = torch.load(path, weights_only=True)
+    except FileNotFoundError:
+        raise DataError(f"dataset file {path} not found") from None
+    except Exception as err:
+        raise DataError(f"{path} is not a torch.save file of tensors ({type(err).__name__})") from None
+    keys = ("x_train", "y_train", "x_test", "y_test")
+    if not isinstance(content, dict) or not all(k in content for k in keys):
+        have = sorted(content) if isinstance(content, dict) else type(content).__name__
+        raise DataError(f"{path} must hold a dict with keys {list(keys)}; it has {have}")
+    parts = [content[k] for k in keys]
+    for k, t in zip(keys, parts):
+        if not isinstance(t, torch.Tensor):
+            raise DataError(f"{path}: {k} is a {type(t).__name__}, not a tensor")
+    for split, x, y in (("train", *parts[:2]), ("test", *parts[2:])):
+        if x.dim() not in (2, 4):
+            raise DataError(f"{path}: x_{split} must be [N, C, H, W] or [N, D], got shape {list(x.shape)}")
+        if y.dim() != 1 or len(y) != len(x):
+            raise DataError(f"{path}: y_{split} must be a 1-D tensor with one label per row of x_{split}")
+        if y.dtype.is_floating_point or y.dtype == torch.bool:
+            raise DataError(f"{path}: y_{split} must hold integer labels, got {y.dtype}")
+        if len(y) and y.min() < 0:
+            raise DataError(f"{path}: y_{split} has negative labels")
+        if x.dtype != torch.uint8 and not (x.dtype.is_floating_point and len(x) and 0 <= x.min() and x.max() <= 1):
+            raise DataError(f"{path}: x_{split} must be uint8 (0-255) or float in [0, 1]")
+        if not torch.isfinite(x.float()).all():
+            raise DataError(f"{path}: x_{split} has non-finite values")
+    if parts[0].shape[1:] != parts[2].shape[1:]:
+        raise DataError(f"{path}: train images {list(parts[0].shape[1:])} and test images "
+                        f"{list(parts[2].shape[1:])} differ in shape")
+    x_train, y_train, x_test, y_test = parts
+    as_images = lambda x: x if x.dim() == 4 else x[:, None, None, :]
+    return as_images(x_train), y_train.long(), as_images(x_test), y_test.long()
+
+
+LOADERS = {"mnist-full": load_mnist_full, "cifar10": load_cifar10, "tinyimagenet": load_tinyimagenet}
+DATASETS = ["mnist", *LOADERS]
+
+
+def load(dataset, data_root="data"):
+    """Raw images [N, C, H, W] (uint8 or float in [0, 1]) and labels; mnist has no test split."""
+    if dataset == "mnist":
+        images, labels = load_mnist_subset()
+        return images, labels, None, None
+    if dataset in LOADERS:
+        return LOADERS[dataset](data_root)
+    return load_tensor_file(dataset)
+
+
+def make_tasks(dataset, seed, n_per_class=100, scenario="cil", classes_per_task=2, data_root="data"):
+    """Split a dataset into tasks, as in the paper (Sec. 5, App. D).
 
     Per seed: shuffle the class order, take `n_per_class` training images per
-    class, test on the held-out images of the same classes. Pixels are scaled to
+    class (None: all of them), test on the test images of the same classes (for
+    the shipped MNIST subset, on its held-out images). Pixels are scaled to
     [0, 1] and the training mean image is subtracted, so values lie in [-1, 1],
-    the range the reconstruction prior (Eq. 5) assumes.
+    the range the reconstruction prior (Eq. 5) assumes. Classes that do not fill
+    a whole task are left out.
     """
-    images, labels = load_mnist_subset(path)
+    x_train, y_train, x_test, y_test = load(dataset, data_root)
     generator = torch.Generator().manual_seed(seed)
-    class_order = torch.randperm(10, generator=generator).tolist()
-    train_idx, test_idx = take_per_class(labels, class_order, n_per_class, generator)
-    x = images.float() / 255
-    mean_image = x[train_idx].mean(0)
-    x = x - mean_image
-    tasks = split_into_tasks(x[train_idx], labels[train_idx], x[test_idx], labels[test_idx],
+    classes = torch.unique(y_train)
+    n_tasks = len(classes) // classes_per_task
+    if n_tasks < 2:
+        raise DataError(f"{dataset} has {len(classes)} classes: too few for two tasks of {classes_per_task}")
+    class_order = classes[torch.randperm(len(classes), generator=generator)][:n_tasks * classes_per_task].tolist()
+    if x_test is None:  # one pool: hold out what is not used for training
+        if n_per_class is None:
+            raise DataError(f"{dataset} has no test split, so it cannot train on all images per class")
+        train_idx, test_idx = take_per_class(y_train, class_order, n_per_class, generator)
+        x_train, y_train, x_test, y_test = x_train[train_idx], y_train[train_idx], x_train[test_idx], y_train[test_idx]
+    else:
+        keep = torch.cat([per_class(y_train, c, n_per_class, generator) for c in class_order])
+        x_train, y_train = x_train[keep], y_train[keep]
+    as_float = lambda x: x.float() / 255 if x.dtype == torch.uint8 else x.float()
+    x_train, x_test = as_float(x_train), as_float(x_test)
+    mean_image = x_train.mean(0)
+    tasks = split_into_tasks(x_train - mean_image, y_train, x_test - mean_image, y_test,
                              class_order, classes_per_task, scenario)
     return tasks, class_order, mean_image
+
+
+def per_class(labels, c, n, generator):
+    idx = (labels == c).nonzero().squeeze(1)
+    if n is not None and len(idx) < n:
+        raise DataError(f"class {c} has only {len(idx)} training images, fewer than --n-per-class {n}")
+    return idx[torch.randperm(len(idx), generator=generator)[:n]]
 
 
 def loader(x, y, batch_size, shuffle=True, seed=0):

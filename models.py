@@ -31,9 +31,41 @@ class MLP(nn.Module):
         return self.head(x)
 
 
+class CNN(nn.Module):
+    """The paper's CNN (after Deng et al. 2021): two 3x3 convolutions of 160
+    channels, then 640-320-C. The convolutions use stride 2 to keep the dense
+    layers small; no pooling, and a bias in the first layer only."""
+
+    def __init__(self, input_shape, n_classes, channels=160, first_init_scale=1e-4):
+        super().__init__()
+        c, h, w = input_shape
+        self.conv1 = nn.Conv2d(c, channels, 3, stride=2)
+        self.conv2 = nn.Conv2d(channels, channels, 3, stride=2, bias=False)
+        side = lambda n: ((n - 3) // 2 + 1 - 3) // 2 + 1
+        self.fc1 = nn.Linear(channels * side(h) * side(w), 640, bias=False)
+        self.fc2 = nn.Linear(640, 320, bias=False)
+        self.head = nn.Linear(320, n_classes, bias=False)
+        self.act1, self.act2, self.act3, self.act4 = (nn.ReLU() for _ in range(4))
+        with torch.no_grad():
+            self.conv1.weight.normal_().mul_(first_init_scale)
+            self.conv1.bias.normal_().mul_(first_init_scale)
+
+    def forward(self, x):
+        x = self.act2(self.conv2(self.act1(self.conv1(x))))
+        x = self.act4(self.fc2(self.act3(self.fc1(x.flatten(1)))))
+        return self.head(x)
+
+
+MODELS = ["mlp", "cnn"]
+
+
 def build_model(name, input_shape, n_classes):
     if name == "mlp":
         return MLP(int(torch.Size(input_shape).numel()), n_classes)
+    if name == "cnn":
+        if len(input_shape) != 3 or min(input_shape[1:]) < 7:
+            raise ValueError(f"the cnn needs images of at least 7x7 pixels, got shape {list(input_shape)}")
+        return CNN(tuple(input_shape), n_classes)
     raise ValueError(f"unknown model {name!r}")
 
 

@@ -362,7 +362,8 @@ def run_continual(cfg, tasks, method, use_recl, log=print, mean_image=None):
                     f"(random candidates {quality['init_mean_ssim']:.3f}), "
                     f"{100 * quality['frac_ssim_above_0_4']:.0f}% above 0.4")
                 if cfg.save_images:
-                    path = Path(cfg.out) / f"{cfg.dataset}-{cfg.scenario}-{name}-seed{cfg.seed}-task{t + 1}.png"
+                    stem = f"{dataset_name(cfg.dataset)}-{cfg.scenario}-{name}-seed{cfg.seed}"
+                    path = Path(cfg.out) / f"{stem}-task{t + 1}.png"
                     path.parent.mkdir(parents=True, exist_ok=True)
                     save_pairs(path, real, x_rec, nearest, mean_image)
             # Step 2: train on reconstructions and new data together.
@@ -377,7 +378,7 @@ def run_continual(cfg, tasks, method, use_recl, log=print, mean_image=None):
             f"acc {' '.join(f'{a:.1f}' for a in R[t][:t + 1])} ({time.time() - task_start:.1f}s)")
 
     acc, bwt = acc_and_bwt(R)
-    return {"method": method, "recl": use_recl, "scenario": cfg.scenario, "dataset": cfg.dataset,
+    return {"method": method, "recl": use_recl, "scenario": cfg.scenario, "dataset": dataset_name(cfg.dataset),
             "seed": cfg.seed, "acc_matrix": R, "ACC": acc, "BWT": bwt,
             "seconds": round(time.time() - start, 2), "reconstructions": reconstructions,
             "recon_quality": recon_quality}
@@ -388,8 +389,11 @@ def run_continual(cfg, tasks, method, use_recl, log=print, mean_image=None):
 # =============================================================================
 
 METHODS = list(strategies.STRATEGIES)
-DATASET_CLASSES = {"mnist": 10}
-DATASET_IMAGES_PER_CLASS = {"mnist": 500}
+MNIST_SUBSET_PER_CLASS = 500
+
+
+def images_per_class(text):
+    return None if text == "all" else int(text)
 
 
 class UsageError(Exception):
@@ -407,15 +411,20 @@ def make_parser():
     p.add_argument("--method", choices=METHODS, default="finetune")
     p.add_argument("--variant", choices=["both", "base", "recl"], default="both",
                    help="the method alone, with ReCL, or both on the same seeds")
-    p.add_argument("--dataset", choices=list(DATASET_CLASSES), default="mnist")
-    p.add_argument("--model", choices=["mlp"], default="mlp")
+    p.add_argument("--dataset", default="mnist",
+                   help=f"one of {', '.join(data.DATASETS)}, or a .pt file (see README)")
+    p.add_argument("--data-root", default="data", help="where mnist-full, cifar10, tinyimagenet live")
+    p.add_argument("--classes-per-task", type=int, default=None,
+                   help="default: 2 (20 for tinyimagenet, as in the paper)")
+    p.add_argument("--model", choices=models.MODELS, default="mlp")
     p.add_argument("--seeds", type=int, default=1, help="number of seeds")
     p.add_argument("--seed", type=int, default=0, help="first seed")
     g = p.add_argument_group("training")
     g.add_argument("--epochs", type=int, default=20)
     g.add_argument("--lr", type=float, default=0.05)
     g.add_argument("--batch-size", type=int, default=64)
-    g.add_argument("--n-per-class", type=int, default=100, help="training images per class")
+    g.add_argument("--n-per-class", type=images_per_class, default=100,
+                   help="training images per class, or 'all'")
     g = p.add_argument_group("reconstruction")
     g.add_argument("--m", type=int, default=None, help="candidates per old class (default: n per class)")
     g.add_argument("--n-rec", type=int, default=100, help="reconstruction steps")
@@ -438,27 +447,34 @@ def make_parser():
 def check_args(cfg):
     """Reject values that make no sense before any work starts."""
     positive = {"epochs": cfg.epochs, "lr": cfg.lr, "batch-size": cfg.batch_size,
-                "n-per-class": cfg.n_per_class, "n-rec": cfg.n_rec, "sigma-x": cfg.sigma_x,
+                "n-rec": cfg.n_rec, "sigma-x": cfg.sigma_x,
                 "lr-x": cfg.lr_x, "lr-lambda": cfg.lr_lambda, "lambda-min": cfg.lambda_min,
                 "alpha": cfg.alpha, "seeds": cfg.seeds, "trials": cfg.trials}
-    if cfg.m is not None:
-        positive["m"] = cfg.m
+    for flag, value in (("m", cfg.m), ("n-per-class", cfg.n_per_class), ("classes-per-task", cfg.classes_per_task)):
+        if value is not None:
+            positive[flag] = value
     for flag, value in positive.items():
         if not (math.isfinite(value) and value > 0):
             raise UsageError(f"--{flag} must be a positive finite number, got {value}")
     if cfg.seed < 0:
         raise UsageError(f"--seed must be >= 0, got {cfg.seed}")
-    most = DATASET_IMAGES_PER_CLASS[cfg.dataset] - 1  # keep at least one test image
-    if cfg.n_per_class > most:
-        raise UsageError(f"--n-per-class {cfg.n_per_class} is more than {cfg.dataset} allows "
+    if cfg.dataset not in data.DATASETS and not cfg.dataset.endswith(".pt"):
+        raise UsageError(f"--dataset must be one of {', '.join(data.DATASETS)} or a .pt file, got {cfg.dataset!r}")
+    most = MNIST_SUBSET_PER_CLASS - 1  # keep at least one test image
+    if cfg.dataset == "mnist" and (cfg.n_per_class or most + 1) > most:
+        raise UsageError(f"--n-per-class {cfg.n_per_class or 'all'} is more than mnist allows "
                          f"({most}; it holds {most + 1} images per class and needs some to test on)")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was asked for but no CUDA device is available")
 
 
+def dataset_name(dataset):
+    return Path(dataset).stem if dataset.endswith(".pt") else dataset
+
+
 def result_path(out, cfg, method, use_recl, seed):
     variant = "+recl" if use_recl else ""
-    return Path(out) / f"{cfg.dataset}-{cfg.scenario}-{method}{variant}-seed{seed}.json"
+    return Path(out) / f"{dataset_name(cfg.dataset)}-{cfg.scenario}-{method}{variant}-seed{seed}.json"
 
 
 def write_json_atomically(path, record):
@@ -515,12 +531,14 @@ def main(argv=None):
     check_args(cfg)
     if cfg.device == "auto":
         cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
-    cfg.m = cfg.m or cfg.n_per_class
+    cfg.m = cfg.m or cfg.n_per_class or 100
+    cfg.classes_per_task = cfg.classes_per_task or (20 if cfg.dataset == "tinyimagenet" else 2)
     log = (lambda *a: None) if cfg.quiet else (lambda *a: print(*a, flush=True))
     variants = {"both": [False, True], "base": [False], "recl": [True]}[cfg.variant]
     records = []
     for seed in range(cfg.seed, cfg.seed + cfg.seeds):
-        tasks, class_order, mean_image = data.split_mnist(seed, cfg.n_per_class, cfg.scenario)
+        tasks, class_order, mean_image = data.make_tasks(cfg.dataset, seed, cfg.n_per_class, cfg.scenario,
+                                                         cfg.classes_per_task, cfg.data_root)
         for use_recl in variants:
             run_cfg = argparse.Namespace(**{**vars(cfg), "seed": seed})
             name = cfg.method + ("+recl" if use_recl else "")

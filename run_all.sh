@@ -8,7 +8,9 @@
 #
 # Resumable: each run writes its own JSON atomically, and a run whose JSON
 # exists is skipped, so an interrupted run_all.sh loses at most the runs in flight.
-# Knobs: DATASETS SCENARIOS METHODS SEEDS JOBS RESULTS QUICK PYTHON DRY_RUN.
+# Datasets that cannot be loaded (say, CIFAR10 on a machine without internet)
+# are skipped with one line saying why.
+# Knobs: DATASETS SCENARIOS METHODS SEEDS JOBS RESULTS DATA_ROOT QUICK PYTHON DRY_RUN.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -18,6 +20,7 @@ METHODS=${METHODS:-finetune ewc er upgd agem lwf gpm}
 SEEDS=${SEEDS:-5}
 JOBS=${JOBS:-1}
 RESULTS=${RESULTS:-results}
+DATA_ROOT=${DATA_ROOT:-data}
 PYTHON=${PYTHON:-python}
 EXTRA=("$@")
 if [ "${QUICK:-0}" = 1 ]; then
@@ -29,8 +32,10 @@ export OMP_NUM_THREADS=$(( $(nproc) / JOBS > 0 ? $(nproc) / JOBS : 1 ))
 
 pending() {  # one shell command per run that has no result yet
   for dataset in $DATASETS; do
-    if [ "$dataset" != mnist ]; then
-      echo "skipping $dataset: only mnist (the shipped subset) is available here" >&2
+    if ! reason=$("$PYTHON" -c 'import sys, data
+try: data.load(sys.argv[1], sys.argv[2])
+except data.DataError as err: sys.exit(str(err))' "$dataset" "$DATA_ROOT" 2>&1); then
+      echo "skipping $dataset: ${reason##*$'\n'}" >&2
       continue
     fi
     for scenario in $SCENARIOS; do
@@ -41,6 +46,7 @@ pending() {  # one shell command per run that has no result yet
             [ -f "$RESULTS/$dataset-$scenario-$method$suffix-seed$seed.json" ] && continue
             printf '%q ' "$PYTHON" recl.py --dataset "$dataset" --scenario "$scenario" \
               --method "$method" --variant "$variant" --seed "$seed" --out "$RESULTS" --quiet \
+              --data-root "$DATA_ROOT" \
               ${EXTRA[@]+"${EXTRA[@]}"}
             echo
           done

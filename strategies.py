@@ -154,15 +154,25 @@ def lwf_loss(model, x, y, logits, state):
 
 # --- GPM: keep gradients orthogonal to the inputs old tasks used -------------
 
-def linear_layers(model):
-    return {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+def projected_layers(model):
+    return {name: m for name, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))}
+
+
+def representation(layer, inputs):
+    """Rows that span what a layer's weights act on: its inputs, or for a
+    convolution every input patch it sees (im2col), as in Saha et al. 2021."""
+    if isinstance(layer, nn.Linear):
+        return inputs
+    patches = F.unfold(inputs, layer.kernel_size, layer.dilation, layer.padding, layer.stride)
+    return patches.transpose(1, 2).reshape(-1, patches.shape[1])
 
 
 def layer_inputs(model, x):
-    """The input of every linear layer for a batch x, as [n, in_features] matrices."""
+    """For a batch x, the representation matrix [rows, fan_in] of every projected layer."""
     inputs, handles = {}, []
-    for name, layer in linear_layers(model).items():
-        hook = (lambda key: lambda mod, args, out: inputs.__setitem__(key, args[0].detach()))(name)
+    for name, layer in projected_layers(model).items():
+        def hook(mod, args, out, key=name):
+            inputs[key] = representation(mod, args[0].detach())
         handles.append(layer.register_forward_hook(hook))
     with torch.no_grad():
         model(x)
@@ -200,11 +210,13 @@ def gpm_after_task(model, task, state):
 
 
 def gpm_after_backward(model, state):
-    # grad W <- grad W (I - M M^T) for every weight; the first layer's bias is left free.
-    for name, layer in linear_layers(model).items():
+    # grad W <- grad W (I - M M^T) for every weight, convolution kernels flattened
+    # to [out, fan_in]; the first layer's bias is left free.
+    for name, layer in projected_layers(model).items():
         basis = state.get("bases", {}).get(name)
         if basis is not None and layer.weight.grad is not None:
-            layer.weight.grad -= (layer.weight.grad @ basis) @ basis.T
+            g = layer.weight.grad.view(len(layer.weight), -1)
+            g -= (g @ basis) @ basis.T
 
 
 # --- UPGD: protect useful weights, perturb the others --------------------------

@@ -196,7 +196,7 @@ def test_gpm_bases_are_orthonormal_and_projected_gradients_orthogonal_to_them():
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     strategies.gpm_after_backward(model, state)
-    for name, layer in strategies.linear_layers(model).items():
+    for name, layer in strategies.projected_layers(model).items():
         residual = layer.weight.grad @ state["bases"][name]
         assert residual.abs().max() < 1e-5, name
 
@@ -276,10 +276,10 @@ def test_same_seed_gives_same_numbers():
 # --- data ------------------------------------------------------------------------
 
 def test_split_mnist_layout():
-    tasks, order, mean = data.split_mnist(seed=3, n_per_class=20, scenario="cil")
+    tasks, order, mean = data.make_tasks("mnist", seed=3, n_per_class=20, scenario="cil")
     assert sorted(order) == list(range(10)) and len(tasks) == 5
-    assert order == data.split_mnist(seed=3, n_per_class=20)[1]
-    assert order != data.split_mnist(seed=4, n_per_class=20)[1]
+    assert order == data.make_tasks("mnist", seed=3, n_per_class=20)[1]
+    assert order != data.make_tasks("mnist", seed=4, n_per_class=20)[1]
     for t, task in enumerate(tasks):
         assert task.classes == order[2 * t:2 * t + 2]
         assert task.x_train.shape == (40, 1, 28, 28) and task.x_test.shape == (2 * 480, 1, 28, 28)
@@ -287,7 +287,7 @@ def test_split_mnist_layout():
     x_all = torch.cat([t.x_train for t in tasks])
     assert x_all.mean(0).abs().max() < 1e-5  # the training mean image is subtracted
     assert x_all.abs().max() <= 1.0
-    dil, _, _ = data.split_mnist(seed=3, n_per_class=20, scenario="dil")
+    dil, _, _ = data.make_tasks("mnist", seed=3, n_per_class=20, scenario="dil")
     assert all(sorted(set(t.y_test.tolist())) == [0, 1] for t in dil)
     torch.testing.assert_close(dil[2].x_train, tasks[2].x_train)
 
@@ -371,7 +371,7 @@ def test_write_json_atomically_leaves_no_temporary_file(tmp_path):
 
 def test_run_all_skips_runs_that_already_have_results(tmp_path):
     recl.write_json_atomically(tmp_path / "mnist-cil-finetune-seed0.json", fake_record("finetune", False, 0, 1, 1))
-    env = {"PATH": "/usr/bin:/bin", "DRY_RUN": "1", "SEEDS": "2", "METHODS": "finetune gpm",
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "DRY_RUN": "1", "DATA_ROOT": str(tmp_path), "SEEDS": "2", "METHODS": "finetune gpm",
            "SCENARIOS": "cil", "RESULTS": str(tmp_path), "DATASETS": "mnist cifar10"}
     result = subprocess.run(["bash", str(HERE / "run_all.sh"), "--epochs", "3"],
                             capture_output=True, text=True, env=env)
@@ -380,7 +380,7 @@ def test_run_all_skips_runs_that_already_have_results(tmp_path):
     assert len(runs) == 7  # 2 methods x 2 variants x 2 seeds, less the finished one
     assert not any("--method finetune --variant base --seed 0" in r for r in runs)
     assert all(r.rstrip().endswith("--epochs 3") for r in runs)
-    assert "skipping cifar10" in result.stderr
+    assert "skipping cifar10: CIFAR10 is not under" in result.stderr
 
 
 # --- reconstruction quality and tuning ------------------------------------------
@@ -448,3 +448,130 @@ def test_recon_quality_and_image_grid_are_written(tmp_path):
     pngs = sorted(p.name for p in tmp_path.glob("*.png"))
     assert pngs == ["mnist-cil-finetune+recl-seed0-task2.png", "mnist-cil-finetune+recl-seed0-task3.png"]
     assert (tmp_path / pngs[0]).read_bytes()[:4] == b"\x89PNG"
+
+
+# --- other datasets, in their real on-disk formats, and other models -------------
+
+def write_idx(path, tensor):
+    header = bytes([0, 0, 8, tensor.dim()]) + b"".join(n.to_bytes(4, "big") for n in tensor.shape)
+    path.write_bytes(gzip.compress(header + tensor.to(torch.uint8).numpy().tobytes()))
+
+
+def test_full_mnist_is_read_from_idx_files(tmp_path):
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    g = torch.Generator().manual_seed(0)
+    for prefix, n in (("train", 60), ("t10k", 30)):
+        write_idx(raw / f"{prefix}-images-idx3-ubyte.gz", torch.randint(0, 256, (n, 28, 28), generator=g))
+        write_idx(raw / f"{prefix}-labels-idx1-ubyte.gz", torch.arange(n) % 10)
+    tasks, order, _ = data.make_tasks("mnist-full", 0, n_per_class=4, data_root=tmp_path)
+    assert len(tasks) == 5 and tasks[0].x_train.shape == (8, 1, 28, 28)
+    assert tasks[0].x_test.shape == (6, 1, 28, 28)  # every test image of the task's classes
+    all_train, _, _ = data.make_tasks("mnist-full", 0, n_per_class=None, data_root=tmp_path)
+    assert sum(len(t.x_train) for t in all_train) == 60
+    (raw / "t10k-labels-idx1-ubyte.gz").write_bytes(gzip.compress(b"\0\0\x08\x01\0\0\0\x09abc"))
+    with pytest.raises(data.DataError, match="truncated"):
+        data.make_tasks("mnist-full", 0, data_root=tmp_path)
+
+
+def test_cifar10_is_read_from_python_batches(tmp_path):
+    import pickle
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {b"data": torch.randint(0, 256, (20, 3072), dtype=torch.uint8).numpy(),
+                 b"labels": (torch.arange(20) % 10).tolist()}
+        (folder / name).write_bytes(pickle.dumps(batch))
+    tasks, _, mean = data.make_tasks("cifar10", 1, n_per_class=5, data_root=tmp_path)
+    assert tasks[0].x_train.shape == (10, 3, 32, 32) and mean.shape == (3, 32, 32)
+    assert len(tasks[0].x_test) == 4
+    (folder / "test_batch").write_bytes(b"garbage")
+    with pytest.raises(data.DataError, match="not a CIFAR10 batch"):
+        data.make_tasks("cifar10", 1, data_root=tmp_path)
+
+
+def test_tinyimagenet_is_read_from_its_folder_layout(tmp_path):
+    from torchvision.utils import save_image
+    root = tmp_path / "tiny-imagenet-200"
+    wnids = [f"n{i:08d}" for i in range(6)]
+    lines = []
+    for label, wnid in enumerate(wnids):
+        images = root / "train" / wnid / "images"
+        images.mkdir(parents=True)
+        for j in range(3):
+            save_image(torch.full((3, 64, 64), (label + j) / 10), images / f"{wnid}_{j}.JPEG", format="PNG")
+        lines.append(f"val_{label}.JPEG\t{wnid}\t0\t0\t63\t63")
+    (root / "val" / "images").mkdir(parents=True)
+    for label in range(6):
+        save_image(torch.zeros(1, 64, 64), root / "val" / "images" / f"val_{label}.JPEG", format="PNG")
+    (root / "val" / "val_annotations.txt").write_text("\n".join(lines))
+    tasks, order, _ = data.make_tasks("tinyimagenet", 0, n_per_class=2, classes_per_task=3, data_root=tmp_path)
+    assert len(tasks) == 2 and sorted(order) == list(range(6))
+    assert tasks[0].x_train.shape == (6, 3, 64, 64) and tasks[0].x_test.shape == (3, 3, 64, 64)
+
+
+def test_a_users_pt_file_is_a_dataset(tmp_path):
+    path = tmp_path / "mine.pt"
+    torch.save({"x_train": torch.rand(60, 12), "y_train": torch.arange(60) % 6,
+                "x_test": torch.rand(18, 12), "y_test": torch.arange(18) % 6}, path)
+    tasks, order, _ = data.make_tasks(str(path), 0, n_per_class=5, classes_per_task=3)
+    assert len(tasks) == 2 and tasks[0].x_train.shape == (15, 1, 1, 12)
+    out = tmp_path / "out"
+    recl.main(["--dataset", str(path), "--classes-per-task", "3", "--n-per-class", "5", "--epochs", "1",
+               "--n-rec", "2", "--out", str(out), "--quiet"])
+    assert sorted(p.name for p in out.iterdir()) == ["mine-cil-finetune+recl-seed0.json", "mine-cil-finetune-seed0.json"]
+
+
+@pytest.mark.parametrize("content, words", [
+    ({"x_train": torch.rand(4, 3)}, "must hold a dict with keys"),
+    ([1, 2], "must hold a dict with keys"),
+    ({"x_train": torch.rand(4, 3), "y_train": [0, 1, 0, 1], "x_test": torch.rand(4, 3), "y_test": torch.zeros(4)},
+     "y_train is a list"),
+    ({"x_train": torch.rand(4, 3, 2), "y_train": torch.arange(4), "x_test": torch.rand(4, 3, 2),
+      "y_test": torch.arange(4)}, "must be \\[N, C, H, W\\]"),
+    ({"x_train": torch.rand(4, 3), "y_train": torch.arange(3), "x_test": torch.rand(4, 3), "y_test": torch.arange(4)},
+     "one label per row"),
+    ({"x_train": torch.rand(4, 3), "y_train": torch.rand(4), "x_test": torch.rand(4, 3), "y_test": torch.arange(4)},
+     "integer labels"),
+    ({"x_train": torch.rand(4, 3), "y_train": -torch.arange(4), "x_test": torch.rand(4, 3), "y_test": torch.arange(4)},
+     "negative labels"),
+    ({"x_train": 5 * torch.rand(4, 3), "y_train": torch.arange(4), "x_test": torch.rand(4, 3), "y_test": torch.arange(4)},
+     "uint8 .0-255. or float in .0, 1."),
+    ({"x_train": torch.rand(4, 3), "y_train": torch.arange(4), "x_test": torch.rand(4, 5), "y_test": torch.arange(4)},
+     "differ in shape"),
+    ({"x_train": torch.rand(4, 3), "y_train": torch.zeros(4, dtype=torch.long), "x_test": torch.rand(4, 3),
+      "y_test": torch.zeros(4, dtype=torch.long)}, "too few for two tasks"),
+])
+def test_malformed_pt_files_get_their_own_message(tmp_path, content, words):
+    path = tmp_path / "bad.pt"
+    torch.save(content, path)
+    with pytest.raises(data.DataError, match=words):
+        data.make_tasks(str(path), 0, n_per_class=1)
+
+
+def test_unreadable_or_missing_pt_file_and_offline_download_are_explained(tmp_path):
+    (tmp_path / "junk.pt").write_bytes(b"not a torch file")
+    with pytest.raises(data.DataError, match="not a torch.save file"):
+        data.make_tasks(str(tmp_path / "junk.pt"), 0)
+    with pytest.raises(data.DataError, match="not found"):
+        data.make_tasks(str(tmp_path / "missing.pt"), 0)
+    def offline():
+        raise OSError("no network")
+    with pytest.raises(data.DataError, match="could not be downloaded"):
+        data.fetch("CIFAR10", tmp_path, offline)
+
+
+def test_cnn_runs_a_recl_task_and_gpm_projects_its_convolutions():
+    tasks = synthetic_tasks("cil", n_tasks=2, shape=(3, 12, 12))
+    cfg = config(model="cnn", epochs=1, n_rec=3, m=2)
+    record = recl.run_continual(cfg, tasks, "gpm", True, lambda *a: None)
+    assert record["reconstructions"][0]["kept"] == 4
+    model = models.build_model("cnn", (3, 12, 12), 4)
+    state = strategies.new_state("gpm", gpm_threshold=0.95)
+    strategies.gpm_after_task(model, data.Task([0], torch.randn(20, 3, 12, 12), None, None, None), state)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    strategies.gpm_after_backward(model, state)
+    conv = model.conv2
+    assert state["bases"]["conv2"].shape[0] == 160 * 9
+    assert (conv.weight.grad.view(160, -1) @ state["bases"]["conv2"]).abs().max() < 1e-4
