@@ -473,7 +473,7 @@ def dataset_name(dataset):
 
 
 def result_path(out, cfg, method, use_recl, seed):
-    variant = "+recl" if use_recl else ""
+    variant = ("+recl" + ("" if cfg.tuning == "naive" else f"-{cfg.tuning}")) if use_recl else ""
     return Path(out) / f"{dataset_name(cfg.dataset)}-{cfg.scenario}-{method}{variant}-seed{seed}.json"
 
 
