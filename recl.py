@@ -490,7 +490,8 @@ def mean_std(values):
 
 
 def run_name(record):
-    return record["method"] + ("+recl" if record["recl"] else "")
+    tuning = record.get("config", {}).get("tuning", "naive")
+    return record["method"] + ("+recl" + ("" if tuning == "naive" else f" ({tuning})") if record["recl"] else "")
 
 
 def summary_table(records):
