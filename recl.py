@@ -371,6 +371,7 @@ def run_continual(cfg, tasks, method, use_recl, log=print, mean_image=None):
         if cfg.scenario == "cil":
             models.grow_head(model, per_task * (t + 1))
         loss = train_task(model, x, y, hooks, state, cfg)
+        model.eval()  # strategies look at the trained model (fixed batch-norm statistics, no dropout)
         if "after_task" in hooks:
             hooks["after_task"](model, task, state)
         R[t][:t + 1] = [accuracy(model, old.x_test, old.y_test) for old in tasks[:t + 1]]

@@ -575,3 +575,12 @@ def test_cnn_runs_a_recl_task_and_gpm_projects_its_convolutions():
     conv = model.conv2
     assert state["bases"]["conv2"].shape[0] == 160 * 9
     assert (conv.weight.grad.view(160, -1) @ state["bases"]["conv2"]).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("name", ["alexnet", "resnet18"])
+def test_non_homogeneous_models_run_a_recl_task(name):
+    tasks = synthetic_tasks("dil", n_tasks=2, shape=(3, 8, 8))
+    cfg = config(model=name, scenario="dil", epochs=1, n_rec=2, m=2, batch_size=8)
+    record = recl.run_continual(cfg, tasks, "ewc", True, lambda *a: None)
+    assert record["reconstructions"][0]["kept"] == 4
+    assert all(a is not None for a in record["acc_matrix"][1])
