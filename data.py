@@ -57,15 +57,22 @@ def load_mnist_subset(path=MNIST_SUBSET):
     return images.to(torch.uint8).view(-1, 1, 28, 28), labels
 
 
+def per_class(labels, c, n, generator):
+    """`n` random indices of class c (None: all of them, shuffled)."""
+    idx = (labels == c).nonzero().squeeze(1)
+    if n is not None and len(idx) < n:
+        raise DataError(f"class {c} has only {len(idx)} training images, fewer than --n-per-class {n}")
+    return idx[torch.randperm(len(idx), generator=generator)[:n]]
+
+
 def take_per_class(labels, classes, n, generator):
-    """Random indices of `n` images per class, and of all the others of those classes."""
+    """From one pool: `n` random indices per class for training, the rest for testing."""
     chosen, rest = [], []
     for c in classes:
-        idx = (labels == c).nonzero().squeeze(1)
+        idx = per_class(labels, c, None, generator)
         if len(idx) <= n:
             raise DataError(f"class {c} has {len(idx)} images; {n} per class for training "
                             f"leaves none to test on")
-        idx = idx[torch.randperm(len(idx), generator=generator)]
         chosen.append(idx[:n])
         rest.append(idx[n:])
     return torch.cat(chosen), torch.cat(rest)
@@ -274,12 +281,6 @@ def make_tasks(dataset, seed, n_per_class=100, scenario="cil", classes_per_task=
                              class_order, classes_per_task, scenario)
     return tasks, class_order, mean_image
 
-
-def per_class(labels, c, n, generator):
-    idx = (labels == c).nonzero().squeeze(1)
-    if n is not None and len(idx) < n:
-        raise DataError(f"class {c} has only {len(idx)} training images, fewer than --n-per-class {n}")
-    return idx[torch.randperm(len(idx), generator=generator)[:n]]
 
 
 def loader(x, y, batch_size, shuffle=True, seed=0):

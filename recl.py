@@ -16,7 +16,7 @@ model alone (Step 1, Sec. 4.1). It then trains on those reconstructions mixed
 with the new task's data (Step 2, Sec. 4.2). No stored data, no generator.
 
 This file has four parts:
-    1. Reconstruction   (Eq. 3-6)
+    1. Reconstruction   (Eq. 3-6), how to judge it (SSIM, App. E) and tune it (Sec. 4.3)
     2. Metrics          (Eq. 1-2: ACC and BWT from the accuracy matrix R[t, i])
     3. The continual-learning loop, into which strategies.py hooks
     4. The command line
