@@ -341,7 +341,7 @@ def run_continual(cfg, tasks, method, use_recl, log=print, mean_image=None):
     mean_image = mean_image.to(device)
     per_task = len(tasks[0].classes)
     model = models.build_model(cfg.model, tasks[0].x_train.shape[1:], per_task).to(device)
-    hooks, state = strategies.STRATEGIES[method], strategies.new_state(method)
+    hooks, state = strategies.STRATEGIES[method], strategies.new_state(method, **cfg.hp)
     name = method + ("+recl" if use_recl else "")
     R = [[None] * len(tasks) for _ in tasks]
     reconstructions, recon_quality = [], []
@@ -406,6 +406,14 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+def method_hyperparameter(text):
+    key, sep, value = text.partition("=")
+    try:
+        return key, float(value) if sep else None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=NUMBER") from None
+
+
 def make_parser():
     p = Parser(description="ReCL on SplitMNIST: a continual-learning method with and without ReCL.")
     p.add_argument("--scenario", choices=["cil", "dil"], default="cil")
@@ -438,6 +446,8 @@ def make_parser():
                    help="reconstruction hyperparameters: defaults, or random search per task (Sec. 4.3)")
     g.add_argument("--trials", type=int, default=10, help="random-search trials per task")
     g.add_argument("--save-images", action="store_true", help="PNG grid of reconstructions per task")
+    p.add_argument("--hp", type=method_hyperparameter, action="append", default=[], metavar="KEY=VALUE",
+                   help="a method hyperparameter, e.g. --hp ewc_lambda=1000 (see strategies.HYPERPARAMETERS)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--out", default="results", help="folder for one JSON file per run")
     p.add_argument("--quiet", action="store_true", help="no per-task progress")
@@ -457,6 +467,13 @@ def check_args(cfg):
     for flag, value in positive.items():
         if not (math.isfinite(value) and value > 0):
             raise UsageError(f"--{flag} must be a positive finite number, got {value}")
+    known = strategies.HYPERPARAMETERS[cfg.method]
+    for key, value in cfg.hp:
+        if key not in known:
+            raise UsageError(f"--hp {key}: {cfg.method} has {', '.join(known) or 'no hyperparameters'}")
+        if value is None or not math.isfinite(value):
+            raise UsageError(f"--hp {key} needs a finite number, like --hp {key}={known[key]}")
+    cfg.hp = {key: type(known[key])(value) for key, value in cfg.hp}
     if cfg.seed < 0:
         raise UsageError(f"--seed must be >= 0, got {cfg.seed}")
     if cfg.dataset not in data.DATASETS and not cfg.dataset.endswith(".pt"):

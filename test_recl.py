@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 def config(**overrides):
     """The CLI's defaults, resolved as main() resolves them, with overrides."""
     cfg = recl.make_parser().parse_args([])
-    cfg.device, cfg.m = "cpu", cfg.n_per_class
+    cfg.device, cfg.m, cfg.hp = "cpu", cfg.n_per_class, {}
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return cfg
@@ -315,6 +315,10 @@ def test_missing_and_corrupt_dataset_files_raise_data_error(tmp_path):
     (["--n-per-class", "600"], "more than mnist allows"),
     (["--m", "0"], "--m must be a positive"),
     (["--seeds", "two"], "invalid int"),
+    (["--method", "ewc", "--hp", "lwf_lambda=2"], "ewc has ewc_lambda"),
+    (["--method", "finetune", "--hp", "x=1"], "finetune has no hyperparameters"),
+    (["--method", "ewc", "--hp", "ewc_lambda=inf"], "needs a finite number"),
+    (["--method", "ewc", "--hp", "ewc_lambda=big"], "is not KEY=NUMBER"),
 ])
 def test_bad_cli_values_are_rejected_with_a_reason(argv, words):
     with pytest.raises(recl.UsageError, match=words):
@@ -327,6 +331,13 @@ def test_bad_cli_input_exits_nonzero_with_one_line():
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "invalid choice: 'magic'" in lines[0]
+
+
+def test_method_hyperparameters_come_from_the_command_line(tmp_path):
+    recl.main(["--method", "agem", "--hp", "agem_patterns_per_task=7", "--variant", "base", "--epochs", "1",
+               "--n-per-class", "5", "--out", str(tmp_path), "--quiet"])
+    record = json.loads((tmp_path / "mnist-cil-agem-seed0.json").read_text())
+    assert record["config"]["hp"] == {"agem_patterns_per_task": 7}
 
 
 def test_main_writes_one_json_per_run(tmp_path, capsys):
