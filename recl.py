@@ -138,14 +138,16 @@ def reconstruct(model, labels, input_shape, cfg, log=print):
     opt_x = torch.optim.SGD([x], lr=cfg.lr_x, momentum=0.9)
     opt_lam = torch.optim.SGD([lam], lr=cfg.lr_lambda, momentum=0.9)
 
-    first_loss = loss = None
+    last_finite = x.detach().clone()
     for step in range(cfg.n_rec):
         l_rec, l_lambda, l_prior = reconstruction_losses(net, params, x, labels, lam, cfg.lambda_min)
         loss = l_rec + l_lambda + l_prior
         first_loss = loss.item() if step == 0 else first_loss
-        if not torch.isfinite(loss):
+        if not torch.isfinite(loss):  # diverged: fall back to the last candidates with a finite loss
             log(f"    reconstruction stopped at step {step}: the loss is not finite")
+            x = last_finite
             break
+        last_finite = x.detach().clone()
         opt_x.zero_grad()
         opt_lam.zero_grad()
         loss.backward()

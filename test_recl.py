@@ -123,7 +123,7 @@ def test_nonfinite_reconstruction_is_dropped_not_trained_on():
     cfg = config(n_rec=50, lr_x=1e30, lr_lambda=1e30)
     messages = []
     x, y, report = recl.reconstruct(model, torch.tensor([0, 1] * 4), (16,), cfg, log=messages.append)
-    assert torch.isfinite(x).all()
+    assert torch.isfinite(x).all() and x.abs().max() < 1e6  # the state before it blew up
     assert len(x) == len(y) == report["kept"] <= 8
     assert any("not finite" in m for m in messages)
 
