@@ -282,7 +282,7 @@ def train_task(model, x, y, hooks, state, cfg):
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     batches = data.loader(x, y, cfg.batch_size, seed=cfg.seed)
-    for epoch in range(cfg.epochs):
+    for _ in range(cfg.epochs):
         total = 0.0
         for xb, yb in batches:
             logits = model(xb)
