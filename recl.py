@@ -210,8 +210,9 @@ def reconstruction_quality(reference, candidates, mean_image):
 def save_pairs(path, reference, candidates, nearest, mean_image, n=32):
     """PNG grid: rows of real images, each row followed by the nearest reconstructions."""
     from torchvision.utils import save_image
-    real = as_picture(reference[:n], mean_image)
-    found = as_picture(candidates[nearest[:n]], mean_image)
+    pick = torch.linspace(0, len(reference) - 1, min(n, len(reference))).long()  # spread over old classes
+    real = as_picture(reference[pick], mean_image)
+    found = as_picture(candidates[nearest[pick]], mean_image)
     rows = [t for pair in zip(real.split(16), found.split(16)) for t in pair]
     save_image(torch.cat(rows).cpu(), path, nrow=16, padding=1, pad_value=1.0)
 
