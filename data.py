@@ -283,6 +283,25 @@ def make_tasks(dataset, seed, n_per_class=100, scenario="cil", classes_per_task=
 
 
 
+def validation_split(tasks, fraction=0.2, seed=0):
+    """Tasks whose test set is a held-out `fraction` of their own training images.
+
+    For tuning hyperparameters (recl.py --tune): the real test images are dropped,
+    so nothing chosen on these tasks has seen them.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    split = []
+    for task in tasks:
+        order = torch.randperm(len(task.x_train), generator=generator).to(task.x_train.device)
+        n_val = max(1, round(fraction * len(order)))
+        if n_val >= len(order):
+            raise DataError(f"a task with {len(order)} training images cannot spare {n_val} for validation")
+        val, train = order[:n_val], order[n_val:]
+        split.append(Task(task.classes, task.x_train[train], task.y_train[train],
+                          task.x_train[val], task.y_train[val]))
+    return split
+
+
 def loader(x, y, batch_size, shuffle=True, seed=0):
     generator = torch.Generator().manual_seed(seed)
     return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=shuffle, generator=generator)

@@ -22,6 +22,7 @@ This file has four parts:
     4. The command line
 """
 import argparse
+import itertools
 import json
 import math
 import os
@@ -388,6 +389,36 @@ def run_continual(cfg, tasks, method, use_recl, log=print, mean_image=None):
             "recon_quality": recon_quality}
 
 
+def tune_method(cfg, log=print):
+    """Choose lr, epochs and the method's own hyperparameters on validation data.
+
+    Random search over strategies.TRAINING_GRID and SEARCH_GRID (cfg.trials
+    draws, seeded), each draw scored by the ACC of the method *without* ReCL on a
+    split held out from the training images of seed cfg.seed. The test images
+    are never loaded into the tasks this sees. Returns every trial, best first.
+    """
+    tasks, class_order, mean_image = data.make_tasks(cfg.dataset, cfg.seed, cfg.n_per_class, cfg.scenario,
+                                                     cfg.classes_per_task, cfg.data_root)
+    tasks = data.validation_split(tasks, 0.2, cfg.seed)
+    grid = {**strategies.TRAINING_GRID, **strategies.SEARCH_GRID[cfg.method]}
+    combos = list(itertools.product(*grid.values()))
+    picks = torch.randperm(len(combos), generator=torch.Generator().manual_seed(cfg.seed))[:cfg.trials]
+    log(f"tuning {cfg.method} | {cfg.scenario} | {cfg.dataset} | seed {cfg.seed}: "
+        f"{len(picks)} of {len(combos)} settings, scored on validation data")
+    trials = []
+    for number, pick in enumerate(picks.tolist()):
+        chosen = dict(zip(grid, combos[pick]))
+        own = {k: v for k, v in chosen.items() if k not in strategies.TRAINING_GRID}
+        run_cfg = argparse.Namespace(**{**vars(cfg), "lr": chosen["lr"], "epochs": chosen["epochs"],
+                                        "hp": {**cfg.hp, **own}})
+        record = run_continual(run_cfg, tasks, cfg.method, False, lambda *a: None, mean_image)
+        trials.append({"settings": chosen, "val_ACC": record["ACC"], "val_BWT": record["BWT"],
+                       "seconds": record["seconds"]})
+        log(f"  trial {number + 1}/{len(picks)}: " + " ".join(f"{k} {v:g}" for k, v in chosen.items())
+            + f" -> validation ACC {record['ACC']:.2f} BWT {record['BWT']:.2f} ({record['seconds']:.0f}s)")
+    return sorted(trials, key=lambda t: -t["val_ACC"])
+
+
 # =============================================================================
 # 4. The command line
 # =============================================================================
@@ -432,8 +463,8 @@ def make_parser():
     p.add_argument("--seeds", type=int, default=1, help="number of seeds")
     p.add_argument("--seed", type=int, default=0, help="first seed")
     g = p.add_argument_group("training")
-    g.add_argument("--epochs", type=int, default=20)
-    g.add_argument("--lr", type=float, default=0.05)
+    g.add_argument("--epochs", type=int, default=None, help="default: the method's (strategies.settings)")
+    g.add_argument("--lr", type=float, default=None, help="default: the method's (strategies.settings)")
     g.add_argument("--batch-size", type=int, default=64)
     g.add_argument("--n-per-class", type=images_per_class, default=100,
                    help="training images per class, or 'all'")
@@ -447,10 +478,12 @@ def make_parser():
     g.add_argument("--alpha", type=float, default=100.0, help="sharpness of the smooth ReLU backward")
     g.add_argument("--tuning", choices=["naive", "unsup", "sup"], default="naive",
                    help="reconstruction hyperparameters: defaults, or random search per task (Sec. 4.3)")
-    g.add_argument("--trials", type=int, default=10, help="random-search trials per task")
+    g.add_argument("--trials", type=int, default=10, help="random-search trials (per task for --tuning)")
     g.add_argument("--save-images", action="store_true", help="PNG grid of reconstructions per task")
     p.add_argument("--hp", type=method_hyperparameter, action="append", default=[], metavar="KEY=VALUE",
                    help="a method hyperparameter, e.g. --hp ewc_lambda=1000 (see strategies.HYPERPARAMETERS)")
+    p.add_argument("--tune", action="store_true",
+                   help="search the method's lr, epochs and hyperparameters on validation data and exit")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--out", default="results", help="folder for one JSON file per run")
     p.add_argument("--quiet", action="store_true", help="no per-task progress")
@@ -460,11 +493,10 @@ def make_parser():
 
 def check_args(cfg):
     """Reject values that make no sense before any work starts."""
-    positive = {"epochs": cfg.epochs, "lr": cfg.lr, "batch-size": cfg.batch_size,
-                "n-rec": cfg.n_rec, "sigma-x": cfg.sigma_x,
+    positive = {"batch-size": cfg.batch_size, "n-rec": cfg.n_rec, "sigma-x": cfg.sigma_x,
                 "lr-x": cfg.lr_x, "lr-lambda": cfg.lr_lambda, "lambda-min": cfg.lambda_min,
                 "alpha": cfg.alpha, "seeds": cfg.seeds, "trials": cfg.trials}
-    for flag, value in (("m", cfg.m), ("n-per-class", cfg.n_per_class), ("classes-per-task", cfg.classes_per_task)):
+    for flag, value in (("epochs", cfg.epochs), ("lr", cfg.lr), ("m", cfg.m), ("n-per-class", cfg.n_per_class), ("classes-per-task", cfg.classes_per_task)):
         if value is not None:
             positive[flag] = value
     for flag, value in positive.items():
@@ -487,6 +519,14 @@ def check_args(cfg):
                          f"({most}; it holds {most + 1} images per class and needs some to test on)")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was asked for but no CUDA device is available")
+
+
+def apply_method_settings(cfg):
+    """Fill in what the command line left open from the method's settings (strategies.settings)."""
+    chosen = strategies.settings(cfg.method, cfg.scenario)
+    cfg.lr = chosen["lr"] if cfg.lr is None else cfg.lr
+    cfg.epochs = chosen["epochs"] if cfg.epochs is None else cfg.epochs
+    cfg.hp = {**{k: chosen[k] for k in strategies.HYPERPARAMETERS[cfg.method]}, **cfg.hp}
 
 
 def dataset_name(dataset):
@@ -526,6 +566,18 @@ def summary_table(records):
     return "\n".join(rows)
 
 
+def tuning_table(searches):
+    """Markdown: the setting each validation search chose, ready for strategies.TUNED."""
+    rows = ["| dataset | scenario | method | chosen (validation) | val ACC | trials |", "|---|---|---|---|---|---|"]
+    order = {m: i for i, m in enumerate(METHODS)}
+    for r in sorted(searches, key=lambda r: (r["dataset"], r["scenario"], order.get(r["method"], len(order)))):
+        best = max(r["trials"], key=lambda t: t["val_ACC"])
+        chosen = ", ".join(f"{k} {v:g}" for k, v in best["settings"].items())
+        rows.append(f"| {r['dataset']} | {r['scenario']} | {r['method']} | {chosen} | {best['val_ACC']:.2f} "
+                    f"| {len(r['trials'])} |")
+    return "\n".join(rows)
+
+
 def aggregate(folder):
     """One table per (dataset, scenario) from every finished run's JSON in `folder`."""
     records = []
@@ -536,6 +588,9 @@ def aggregate(folder):
             print(f"skipping unreadable {path}: {err}", file=sys.stderr)
     if not records:
         raise UsageError(f"no finished runs (*.json) in {folder}")
+    searches = [r for r in records if "trials" in r]  # --tune results
+    if searches:
+        return tuning_table(searches)
     order = {m: i for i, m in enumerate(METHODS)}
     records.sort(key=lambda r: (order.get(r["method"], len(order)), r["recl"], r["seed"]))
     tables = []
@@ -543,6 +598,16 @@ def aggregate(folder):
         chosen = [r for r in records if (r["dataset"], r["scenario"]) == (dataset, scenario)]
         tables.append(f"### {dataset}, {scenario.upper()}\n\n{summary_table(chosen)}\n")
     return "\n".join(tables)
+
+
+def tune_and_report(cfg, log):
+    """--tune: run the validation search, save every trial, print the winner."""
+    trials = tune_method(cfg, log)
+    path = Path(cfg.out) / f"{dataset_name(cfg.dataset)}-{cfg.scenario}-{cfg.method}-tuning-seed{cfg.seed}.json"
+    write_json_atomically(path, {"method": cfg.method, "scenario": cfg.scenario, "dataset": dataset_name(cfg.dataset),
+                                 "seed": cfg.seed, "trials": trials, "config": vars(cfg)})
+    best = trials[0]
+    print(f"{cfg.method} {cfg.scenario}: best validation ACC {best['val_ACC']:.2f} with {best['settings']} -> {path}")
 
 
 def main(argv=None):
@@ -556,6 +621,9 @@ def main(argv=None):
     cfg.m = cfg.m or cfg.n_per_class or 100
     cfg.classes_per_task = cfg.classes_per_task or (20 if cfg.dataset == "tinyimagenet" else 2)
     log = (lambda *a: None) if cfg.quiet else (lambda *a: print(*a, flush=True))
+    if cfg.tune:
+        return tune_and_report(cfg, log)
+    apply_method_settings(cfg)
     variants = {"both": [False, True], "base": [False], "recl": [True]}[cfg.variant]
     records = []
     for seed in range(cfg.seed, cfg.seed + cfg.seeds):

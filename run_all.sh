@@ -5,12 +5,15 @@
 #   bash run_all.sh                      # everything, 5 seeds
 #   QUICK=1 bash run_all.sh              # 1 seed, few epochs and steps: minutes
 #   JOBS=2 METHODS="finetune gpm" bash run_all.sh --epochs 30   # args pass through
+#   TUNE=1 JOBS=2 bash run_all.sh        # the validation search behind strategies.TUNED
+#   SWEEP="m 10 25 50 75 125" METHODS=finetune bash run_all.sh   # a sensitivity study:
+#                                        # one folder per value, RESULTS/m-10, ..., each run with --m 10, ...
 #
 # Resumable: each run writes its own JSON atomically, and a run whose JSON
 # exists is skipped, so an interrupted run_all.sh loses at most the runs in flight.
 # Datasets that cannot be loaded (say, CIFAR10 on a machine without internet)
 # are skipped with one line saying why.
-# Knobs: DATASETS SCENARIOS METHODS SEEDS JOBS RESULTS DATA_ROOT QUICK PYTHON DRY_RUN.
+# Knobs: DATASETS SCENARIOS METHODS SEEDS JOBS RESULTS DATA_ROOT QUICK TUNE SWEEP PYTHON DRY_RUN.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -19,7 +22,8 @@ SCENARIOS=${SCENARIOS:-cil dil}
 METHODS=${METHODS:-finetune ewc er upgd agem lwf gpm}
 SEEDS=${SEEDS:-5}
 JOBS=${JOBS:-1}
-RESULTS=${RESULTS:-results}
+TUNE=${TUNE:-0}
+if [ "$TUNE" = 1 ]; then RESULTS=${RESULTS:-results/tuning}; else RESULTS=${RESULTS:-results}; fi
 DATA_ROOT=${DATA_ROOT:-data}
 PYTHON=${PYTHON:-python}
 EXTRA=("$@")
@@ -27,6 +31,17 @@ if [ "${QUICK:-0}" = 1 ]; then
   SEEDS=1
   EXTRA=(--epochs 5 --n-rec 20 "${EXTRA[@]}")
 fi
+read -r -a SWEEP_VALUES <<< "${SWEEP:-}"
+SWEEP_FLAG=${SWEEP_VALUES[0]:-}
+SWEEP_VALUES=("${SWEEP_VALUES[@]:1}")
+if [ -n "$SWEEP_FLAG" ] && [ ${#SWEEP_VALUES[@]} -eq 0 ]; then
+  echo "run_all: SWEEP needs a flag and its values, like SWEEP=\"m 10 25\"" >&2
+  exit 2
+fi
+folders() {  # "folder extra-flag value" per sweep point; just RESULTS without a sweep
+  if [ -z "$SWEEP_FLAG" ]; then echo "$RESULTS"; return; fi
+  for value in "${SWEEP_VALUES[@]}"; do echo "$RESULTS/$SWEEP_FLAG-$value --$SWEEP_FLAG $value"; done
+}
 # Share the cores between parallel runs instead of oversubscribing them.
 export OMP_NUM_THREADS=$(( $(nproc) / JOBS > 0 ? $(nproc) / JOBS : 1 ))
 
@@ -40,17 +55,27 @@ except data.DataError as err: sys.exit(str(err))' "$dataset" "$DATA_ROOT" 2>&1);
     fi
     for scenario in $SCENARIOS; do
       for method in $METHODS; do
-        for variant in base recl; do
-          for ((seed = 0; seed < SEEDS; seed++)); do
-            suffix=""; [ "$variant" = recl ] && suffix="+recl"
-            [ -f "$RESULTS/$dataset-$scenario-$method$suffix-seed$seed.json" ] && continue
-            printf '%q ' "$PYTHON" recl.py --dataset "$dataset" --scenario "$scenario" \
-              --method "$method" --variant "$variant" --seed "$seed" --out "$RESULTS" --quiet \
-              --data-root "$DATA_ROOT" \
-              ${EXTRA[@]+"${EXTRA[@]}"}
-            echo
+        if [ "$TUNE" = 1 ]; then  # one validation search per method, on seed 0
+          [ -f "$RESULTS/$dataset-$scenario-$method-tuning-seed0.json" ] && continue
+          printf '%q ' "$PYTHON" recl.py --tune --dataset "$dataset" --scenario "$scenario" \
+            --method "$method" --seed 0 --out "$RESULTS" --quiet --data-root "$DATA_ROOT" \
+            ${EXTRA[@]+"${EXTRA[@]}"}
+          echo
+          continue
+        fi
+        while read -r out point; do
+          for variant in base recl; do
+            for ((seed = 0; seed < SEEDS; seed++)); do
+              suffix=""; [ "$variant" = recl ] && suffix="+recl"
+              [ -f "$out/$dataset-$scenario-$method$suffix-seed$seed.json" ] && continue
+              printf '%q ' "$PYTHON" recl.py --dataset "$dataset" --scenario "$scenario" \
+                --method "$method" --variant "$variant" --seed "$seed" --out "$out" --quiet \
+                --data-root "$DATA_ROOT" ${point:+$point} \
+                ${EXTRA[@]+"${EXTRA[@]}"}
+              echo
+            done
           done
-        done
+        done < <(folders)
       done
     done
   done
@@ -68,4 +93,10 @@ if [ "$count" -gt 0 ]; then
   printf '%s\n' "$todo" | xargs -d '\n' -P "$JOBS" -I{} bash -c '{}'
 fi
 echo "run_all: finished in $(( $(date +%s) - start ))s"
-"$PYTHON" recl.py --aggregate "$RESULTS" | tee "$RESULTS/table.md"
+if [ -z "$SWEEP_FLAG" ]; then
+  "$PYTHON" recl.py --aggregate "$RESULTS" | tee "$RESULTS/table.md"
+else
+  while read -r out point; do
+    echo "## $point"; echo; "$PYTHON" recl.py --aggregate "$out"; echo
+  done < <(folders) | tee "$RESULTS/table-$SWEEP_FLAG.md"
+fi

@@ -26,6 +26,7 @@ def config(**overrides):
     """The CLI's defaults, resolved as main() resolves them, with overrides."""
     cfg = recl.make_parser().parse_args([])
     cfg.device, cfg.m, cfg.hp = "cpu", cfg.n_per_class, {}
+    cfg.lr, cfg.epochs = strategies.DEFAULT_TRAINING["lr"], strategies.DEFAULT_TRAINING["epochs"]
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return cfg
@@ -337,7 +338,7 @@ def test_method_hyperparameters_come_from_the_command_line(tmp_path):
     recl.main(["--method", "agem", "--hp", "agem_patterns_per_task=7", "--variant", "base", "--epochs", "1",
                "--n-per-class", "5", "--out", str(tmp_path), "--quiet"])
     record = json.loads((tmp_path / "mnist-cil-agem-seed0.json").read_text())
-    assert record["config"]["hp"] == {"agem_patterns_per_task": 7}
+    assert record["config"]["hp"] == {"agem_patterns_per_task": 7, "agem_batch": 256}  # the rest: defaults
 
 
 def test_main_writes_one_json_per_run(tmp_path, capsys):
@@ -392,6 +393,87 @@ def test_run_all_skips_runs_that_already_have_results(tmp_path):
     assert not any("--method finetune --variant base --seed 0" in r for r in runs)
     assert all(r.rstrip().endswith("--epochs 3") for r in runs)
     assert "skipping cifar10: CIFAR10 is not under" in result.stderr
+
+
+def test_tuning_table_reports_the_best_validation_trial(tmp_path):
+    trials = [{"settings": {"lr": 0.1, "epochs": 10}, "val_ACC": 40.0},
+              {"settings": {"lr": 0.01, "epochs": 40}, "val_ACC": 55.5}]
+    recl.write_json_atomically(tmp_path / "t.json", {"method": "er", "scenario": "dil", "dataset": "mnist",
+                                                      "seed": 0, "trials": trials})
+    assert "| mnist | dil | er | lr 0.01, epochs 40 | 55.50 | 2 |" in recl.aggregate(tmp_path)
+
+
+# --- method hyperparameters: validation split, search, tuned defaults -----------
+
+def test_validation_split_holds_out_training_images_and_drops_the_test_set():
+    tasks = synthetic_tasks("cil", per_class=10)
+    split = data.validation_split(tasks, fraction=0.2, seed=0)
+    for old, new in zip(tasks, split):
+        assert len(new.x_test) == 4 and len(new.x_train) == 16
+        everything = torch.cat([new.x_train, new.x_test])
+        # the same images as the training set, each once, and none of the test images
+        assert torch.equal(everything.flatten(1).sort(0).values, old.x_train.flatten(1).sort(0).values)
+        assert torch.cdist(new.x_test.flatten(1), old.x_test.flatten(1)).min() > 0
+        assert torch.cdist(new.x_test.flatten(1), new.x_train.flatten(1)).min() > 0
+    with pytest.raises(data.DataError, match="cannot spare"):
+        data.validation_split(tasks, fraction=1.0)
+
+
+def test_tune_searches_the_grid_on_validation_data_only(tmp_path, monkeypatch):
+    path = tmp_path / "toy.pt"
+    torch.save({"x_train": 0.5 * torch.rand(40, 8), "y_train": torch.arange(40) % 4,
+                "x_test": torch.ones(8, 8), "y_test": torch.arange(8) % 4}, path)  # test: all ones
+    seen = []
+    real_run = recl.run_continual
+    def spy(cfg, tasks, method, use_recl, log=print, mean_image=None):
+        seen.append((cfg.lr, cfg.epochs, cfg.hp, tasks))
+        return real_run(cfg, tasks, method, use_recl, log, mean_image)
+    monkeypatch.setattr(recl, "run_continual", spy)
+    monkeypatch.setattr(strategies, "TRAINING_GRID", {"lr": [0.01, 0.1], "epochs": [1]})
+    recl.main(["--tune", "--dataset", str(path), "--method", "ewc", "--trials", "3", "--n-per-class", "10",
+               "--out", str(tmp_path), "--quiet"])
+    assert len(seen) == 3 and len({(lr, hp["ewc_lambda"]) for lr, _, hp, _ in seen}) == 3  # distinct draws
+    for _, epochs, _, tasks in seen:
+        assert epochs == 1 and all((t.x_test < 0.5).all() for t in tasks)  # never the test images
+    saved = json.loads((tmp_path / "toy-cil-ewc-tuning-seed0.json").read_text())
+    scores = [t["val_ACC"] for t in saved["trials"]]
+    assert scores == sorted(scores, reverse=True)
+
+
+def test_runs_start_from_tuned_settings_unless_the_command_line_says_otherwise(tmp_path, monkeypatch):
+    monkeypatch.setitem(strategies.TUNED, "cil", {"ewc": {"lr": 0.02, "epochs": 1, "ewc_lambda": 5.0}})
+    common = ["--method", "ewc", "--variant", "base", "--n-per-class", "5", "--quiet"]
+    recl.main(common + ["--out", str(tmp_path / "a")])
+    recl.main(common + ["--out", str(tmp_path / "b"), "--lr", "0.03", "--hp", "ewc_lambda=9"])
+    a, b = (json.loads((tmp_path / d / "mnist-cil-ewc-seed0.json").read_text())["config"] for d in "ab")
+    assert (a["lr"], a["epochs"], a["hp"]) == (0.02, 1, {"ewc_lambda": 5.0})
+    assert (b["lr"], b["epochs"], b["hp"]) == (0.03, 1, {"ewc_lambda": 9.0})
+
+
+def run_all_dry(tmp_path, **knobs):
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "DRY_RUN": "1", "SCENARIOS": "cil", **knobs}
+    result = subprocess.run(["bash", str(HERE / "run_all.sh")], capture_output=True, text=True, env=env)
+    return result, [line for line in result.stdout.splitlines() if "recl.py" in line]
+
+
+def test_run_all_sweeps_a_flag_into_one_folder_per_value(tmp_path):
+    (tmp_path / "m-25").mkdir()
+    recl.write_json_atomically(tmp_path / "m-25" / "mnist-cil-finetune+recl-seed0.json",
+                               fake_record("finetune", True, 0, 1, 1))
+    result, runs = run_all_dry(tmp_path, SWEEP="m 10 25", METHODS="finetune", SEEDS="1", RESULTS=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert len(runs) == 3  # 2 values x 2 variants, less the finished one
+    assert sum(f"--out {tmp_path}/m-10 " in r and "--m 10" in r for r in runs) == 2
+    bad, _ = run_all_dry(tmp_path, SWEEP="m")
+    assert bad.returncode == 2 and "SWEEP needs a flag and its values" in bad.stderr
+
+
+def test_run_all_tune_runs_one_search_per_method(tmp_path):
+    result, runs = run_all_dry(tmp_path, TUNE="1", METHODS="ewc gpm", SEEDS="5", RESULTS=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert len(runs) == 2 and all("--tune" in r and "--seed 0" in r for r in runs)
+    nothing, _ = run_all_dry(tmp_path, TUNE="1", DATASETS="cifar10", DATA_ROOT=str(tmp_path))  # default folder
+    assert nothing.returncode == 0 and "0 runs to do in results/tuning/" in nothing.stdout
 
 
 # --- reconstruction quality and tuning ------------------------------------------
