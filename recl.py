@@ -18,7 +18,8 @@ with the new task's data (Step 2, Sec. 4.2). No stored data, no generator.
 This file has four parts:
     1. Reconstruction   (Eq. 3-6), how to judge it (SSIM, App. E) and tune it (Sec. 4.3)
     2. Metrics          (Eq. 1-2: ACC and BWT from the accuracy matrix R[t, i])
-    3. The continual-learning loop, into which strategies.py hooks
+    3. The continual-learning loop, into which strategies.py hooks, and the
+       validation search that chose each method's hyperparameters
     4. The command line
 """
 import argparse
@@ -389,6 +390,10 @@ def run_continual(cfg, tasks, method, use_recl, log=print, mean_image=None):
             "recon_quality": recon_quality}
 
 
+# -----------------------------------------------------------------------------
+# 3b. Choosing a method's hyperparameters (paper App. F: on validation data)
+# -----------------------------------------------------------------------------
+
 def tune_method(cfg, log=print):
     """Choose lr, epochs and the method's own hyperparameters on validation data.
 
@@ -397,8 +402,8 @@ def tune_method(cfg, log=print):
     split held out from the training images of seed cfg.seed. The test images
     are never loaded into the tasks this sees. Returns every trial, best first.
     """
-    tasks, class_order, mean_image = data.make_tasks(cfg.dataset, cfg.seed, cfg.n_per_class, cfg.scenario,
-                                                     cfg.classes_per_task, cfg.data_root)
+    tasks, _, mean_image = data.make_tasks(cfg.dataset, cfg.seed, cfg.n_per_class, cfg.scenario,
+                                           cfg.classes_per_task, cfg.data_root)
     tasks = data.validation_split(tasks, 0.2, cfg.seed)
     grid = {**strategies.TRAINING_GRID, **strategies.SEARCH_GRID[cfg.method]}
     combos = list(itertools.product(*grid.values()))
@@ -496,7 +501,9 @@ def check_args(cfg):
     positive = {"batch-size": cfg.batch_size, "n-rec": cfg.n_rec, "sigma-x": cfg.sigma_x,
                 "lr-x": cfg.lr_x, "lr-lambda": cfg.lr_lambda, "lambda-min": cfg.lambda_min,
                 "alpha": cfg.alpha, "seeds": cfg.seeds, "trials": cfg.trials}
-    for flag, value in (("epochs", cfg.epochs), ("lr", cfg.lr), ("m", cfg.m), ("n-per-class", cfg.n_per_class), ("classes-per-task", cfg.classes_per_task)):
+    optional = {"epochs": cfg.epochs, "lr": cfg.lr, "m": cfg.m, "n-per-class": cfg.n_per_class,
+                "classes-per-task": cfg.classes_per_task}
+    for flag, value in optional.items():
         if value is not None:
             positive[flag] = value
     for flag, value in positive.items():
@@ -509,6 +516,8 @@ def check_args(cfg):
         if value is None or not math.isfinite(value):
             raise UsageError(f"--hp {key} needs a finite number, like --hp {key}={known[key]}")
     cfg.hp = {key: type(known[key])(value) for key, value in cfg.hp}
+    if cfg.tune and (cfg.lr is not None or cfg.epochs is not None):
+        raise UsageError("--tune chooses --lr and --epochs itself; leave them out")
     if cfg.seed < 0:
         raise UsageError(f"--seed must be >= 0, got {cfg.seed}")
     if cfg.dataset not in data.DATASETS and not cfg.dataset.endswith(".pt"):

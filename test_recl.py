@@ -320,6 +320,7 @@ def test_missing_and_corrupt_dataset_files_raise_data_error(tmp_path):
     (["--method", "finetune", "--hp", "x=1"], "finetune has no hyperparameters"),
     (["--method", "ewc", "--hp", "ewc_lambda=inf"], "needs a finite number"),
     (["--method", "ewc", "--hp", "ewc_lambda=big"], "is not KEY=NUMBER"),
+    (["--tune", "--lr", "0.1"], "--tune chooses --lr and --epochs itself"),
 ])
 def test_bad_cli_values_are_rejected_with_a_reason(argv, words):
     with pytest.raises(recl.UsageError, match=words):
