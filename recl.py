@@ -398,17 +398,19 @@ def tune_method(cfg, log=print):
     """Choose lr, epochs and the method's own hyperparameters on validation data.
 
     Random search over strategies.TRAINING_GRID and SEARCH_GRID (cfg.trials
-    draws, seeded), each draw scored by the ACC of the method *without* ReCL on a
-    split held out from the training images of seed cfg.seed. The test images
-    are never loaded into the tasks this sees. Returns every trial, best first.
+    draws, seeded), each draw scored by the ACC of the method (with ReCL if
+    cfg.variant is "recl") on a split held out from the training images of seed
+    cfg.seed. The test images are never loaded into the tasks this sees.
+    Returns every trial, best first.
     """
+    use_recl = cfg.variant == "recl"
     tasks, _, mean_image = data.make_tasks(cfg.dataset, cfg.seed, cfg.n_per_class, cfg.scenario,
                                            cfg.classes_per_task, cfg.data_root)
     tasks = data.validation_split(tasks, 0.2, cfg.seed)
     grid = {**strategies.TRAINING_GRID, **strategies.SEARCH_GRID[cfg.method]}
     combos = list(itertools.product(*grid.values()))
     picks = torch.randperm(len(combos), generator=torch.Generator().manual_seed(cfg.seed))[:cfg.trials]
-    log(f"tuning {cfg.method} | {cfg.scenario} | {cfg.dataset} | seed {cfg.seed}: "
+    log(f"tuning {cfg.method}{'+recl' if use_recl else ''} | {cfg.scenario} | {cfg.dataset} | seed {cfg.seed}: "
         f"{len(picks)} of {len(combos)} settings, scored on validation data")
     trials = []
     for number, pick in enumerate(picks.tolist()):
@@ -416,7 +418,7 @@ def tune_method(cfg, log=print):
         own = {k: v for k, v in chosen.items() if k not in strategies.TRAINING_GRID}
         run_cfg = argparse.Namespace(**{**vars(cfg), "lr": chosen["lr"], "epochs": chosen["epochs"],
                                         "hp": {**cfg.hp, **own}})
-        record = run_continual(run_cfg, tasks, cfg.method, False, lambda *a: None, mean_image)
+        record = run_continual(run_cfg, tasks, cfg.method, use_recl, lambda *a: None, mean_image)
         trials.append({"settings": chosen, "val_ACC": record["ACC"], "val_BWT": record["BWT"],
                        "seconds": record["seconds"]})
         log(f"  trial {number + 1}/{len(picks)}: " + " ".join(f"{k} {v:g}" for k, v in chosen.items())
@@ -488,7 +490,8 @@ def make_parser():
     p.add_argument("--hp", type=method_hyperparameter, action="append", default=[], metavar="KEY=VALUE",
                    help="a method hyperparameter, e.g. --hp ewc_lambda=1000 (see strategies.HYPERPARAMETERS)")
     p.add_argument("--tune", action="store_true",
-                   help="search the method's lr, epochs and hyperparameters on validation data and exit")
+                   help="search the method's lr, epochs and hyperparameters on validation data and exit "
+                        "(with ReCL if --variant recl)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--out", default="results", help="folder for one JSON file per run")
     p.add_argument("--quiet", action="store_true", help="no per-task progress")
@@ -612,11 +615,12 @@ def aggregate(folder):
 def tune_and_report(cfg, log):
     """--tune: run the validation search, save every trial, print the winner."""
     trials = tune_method(cfg, log)
-    path = Path(cfg.out) / f"{dataset_name(cfg.dataset)}-{cfg.scenario}-{cfg.method}-tuning-seed{cfg.seed}.json"
-    write_json_atomically(path, {"method": cfg.method, "scenario": cfg.scenario, "dataset": dataset_name(cfg.dataset),
+    name = cfg.method + ("+recl" if cfg.variant == "recl" else "")
+    path = Path(cfg.out) / f"{dataset_name(cfg.dataset)}-{cfg.scenario}-{name}-tuning-seed{cfg.seed}.json"
+    write_json_atomically(path, {"method": name, "scenario": cfg.scenario, "dataset": dataset_name(cfg.dataset),
                                  "seed": cfg.seed, "trials": trials, "config": vars(cfg)})
     best = trials[0]
-    print(f"{cfg.method} {cfg.scenario}: best validation ACC {best['val_ACC']:.2f} with {best['settings']} -> {path}")
+    print(f"{name} {cfg.scenario}: best validation ACC {best['val_ACC']:.2f} with {best['settings']} -> {path}")
 
 
 def main(argv=None):

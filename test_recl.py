@@ -424,10 +424,11 @@ def test_tune_searches_the_grid_on_validation_data_only(tmp_path, monkeypatch):
     path = tmp_path / "toy.pt"
     torch.save({"x_train": 0.5 * torch.rand(40, 8), "y_train": torch.arange(40) % 4,
                 "x_test": torch.ones(8, 8), "y_test": torch.arange(8) % 4}, path)  # test: all ones
-    seen = []
+    seen, with_recl = [], []
     real_run = recl.run_continual
     def spy(cfg, tasks, method, use_recl, log=print, mean_image=None):
         seen.append((cfg.lr, cfg.epochs, cfg.hp, tasks))
+        with_recl.append(use_recl)
         return real_run(cfg, tasks, method, use_recl, log, mean_image)
     monkeypatch.setattr(recl, "run_continual", spy)
     monkeypatch.setattr(strategies, "TRAINING_GRID", {"lr": [0.01, 0.1], "epochs": [1]})
@@ -438,7 +439,10 @@ def test_tune_searches_the_grid_on_validation_data_only(tmp_path, monkeypatch):
         assert epochs == 1 and all((t.x_test < 0.5).all() for t in tasks)  # never the test images
     saved = json.loads((tmp_path / "toy-cil-ewc-tuning-seed0.json").read_text())
     scores = [t["val_ACC"] for t in saved["trials"]]
-    assert scores == sorted(scores, reverse=True)
+    assert scores == sorted(scores, reverse=True) and not any(with_recl)
+    recl.main(["--tune", "--variant", "recl", "--dataset", str(path), "--method", "ewc", "--trials", "1",
+               "--n-per-class", "10", "--n-rec", "2", "--out", str(tmp_path), "--quiet"])
+    assert with_recl[-1] and (tmp_path / "toy-cil-ewc+recl-tuning-seed0.json").exists()
 
 
 def test_runs_start_from_tuned_settings_unless_the_command_line_says_otherwise(tmp_path, monkeypatch):
