@@ -100,11 +100,27 @@ SMALLEST_SIDE = {"cnn": 7, "alexnet": 8, "resnet18": 1}
 
 def build_model(name, input_shape, n_classes):
     if name == "mlp":
-        return MLP(int(torch.Size(input_shape).numel()), n_classes)
+        return remember_start(MLP(int(torch.Size(input_shape).numel()), n_classes))
     if len(input_shape) != 3 or min(input_shape[1:]) < SMALLEST_SIDE[name]:
         raise ValueError(f"the {name} needs images of at least {SMALLEST_SIDE[name]} pixels a side, "
                          f"got shape {list(input_shape)}")
-    return {"cnn": CNN, "alexnet": AlexNet, "resnet18": ResNet18}[name](tuple(input_shape), n_classes)
+    return remember_start({"cnn": CNN, "alexnet": AlexNet, "resnet18": ResNet18}[name](tuple(input_shape), n_classes))
+
+
+# Reconstruction fits what training added to the weights, theta - theta_0
+# (recl.py, part 1), so a model keeps a copy of its initial weights theta_0.
+
+def remember_start(model):
+    """Keep a copy of the weights as they are now, as the model's theta_0."""
+    model.start = {k: v.detach().clone() for k, v in model.named_parameters()}
+    return model
+
+
+def start_weights(model):
+    """theta_0, on the device of the weights; None if the model never remembered it."""
+    if not hasattr(model, "start"):
+        return None
+    return {k: model.start[k].to(p.device) for k, p in model.named_parameters()}
 
 
 def grow_head(model, n_classes):
@@ -116,6 +132,9 @@ def grow_head(model, n_classes):
     with torch.no_grad():
         new.weight[:old.out_features] = old.weight
     model.head = new
+    if hasattr(model, "start"):  # the new rows start where they were initialised
+        start = model.start["head.weight"]
+        model.start["head.weight"] = torch.cat([start, new.weight[old.out_features:].detach().to(start.device)])
 
 
 class SmoothBackwardReLU(nn.Module):

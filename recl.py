@@ -59,6 +59,24 @@ import strategies
 # reference code (Buzaglo et al. 2023) we square them, which keeps the loss
 # smooth, and scale the gradient sum by 1/m so that lambda_min means the same for
 # any m. The norm in Eq. 3 runs over every parameter tensor of the network.
+#
+# A variant for networks trained for minutes, not days: `--rec-target
+# displacement` (the default is Eq. 3 as written, `weights`; the README's
+# "Reconstruction target" compares them).
+#
+# * Eq. 3 holds in the limit of long training, when the weights have grown so
+#   large that their random start theta_0 no longer matters. After 20 epochs it
+#   still dominates: for the paper's MLP ||theta_0||^2 is about 334 and what
+#   training added about 2, so most of L_rec is noise no candidate can explain.
+# * The displacement theta - theta_0 is what gradient descent added: a sum of
+#   per-example gradients. For cross-entropy each step adds, per training point,
+#   sum_{j != y} p_j grad(f_y - f_j): non-negative multiples of margin
+#   gradients, Eq. 3's form from the first step on (exactly so for a linearised
+#   network). The model keeps theta_0 (models.remember_start); no data needed.
+# * Its size depends on how long the network trained (||.||^2 from 0.01 to 2
+#   here), so its L_rec is divided by ||theta - theta_0||^2: the share of the
+#   displacement the candidates leave unexplained, 1 at the start. One lr_x
+#   then works for every training budget (default 3 instead of 0.1).
 
 
 def margins(model, params, x, y):
@@ -97,10 +115,25 @@ def weighted_gradient_sum(model, params, x, y, lam):
     return grad(weighted_margins)(params)
 
 
-def reconstruction_losses(model, params, x, y, lam, lambda_min):
-    """L_rec, L_lambda and L_prior of Eq. 3-5."""
+DEFAULT_LR_X = {"weights": 0.1, "displacement": 3.0}
+
+
+def reconstruction_target(params, start, target):
+    """What the gradient combination should equal, and the scale of L_rec:
+    theta as in Eq. 3, or the displacement theta - theta_0 measured relative to its size."""
+    if target == "weights":
+        return params, 1.0
+    if start is None:
+        raise ValueError("the displacement target needs the model's initial weights: "
+                         "build it with models.build_model or call models.remember_start first")
+    displacement = {k: params[k] - start[k] for k in params}
+    return displacement, 1.0 / sum(v.pow(2).sum() for v in displacement.values()).clamp_min(1e-30)
+
+
+def reconstruction_losses(model, params, target, scale, x, y, lam, lambda_min):
+    """L_rec (times `scale`), L_lambda and L_prior of Eq. 3-5."""
     combination = weighted_gradient_sum(model, params, x, y, lam)
-    l_rec = sum((params[k] - combination[k]).pow(2).sum() for k in params)
+    l_rec = scale * sum((target[k] - combination[k]).pow(2).sum() for k in params)
     l_lambda = 5 * F.relu(lambda_min - lam).pow(2).sum()
     l_prior = F.relu(x.abs() - 1).pow(2).sum()
     return l_rec, l_lambda, l_prior
@@ -134,6 +167,7 @@ def reconstruct(model, labels, input_shape, cfg, log=print):
     device = next(model.parameters()).device
     net = models.with_smooth_relu(model, cfg.alpha).eval()  # smooth backward, exact forward
     params = {k: v.detach() for k, v in net.named_parameters()}
+    target, scale = reconstruction_target(params, models.start_weights(model), cfg.rec_target)
     labels = labels.to(device)
     x, lam = initial_candidates(len(labels), input_shape, cfg.sigma_x, cfg.seed)
     x, lam = x.to(device).requires_grad_(), lam.to(device).requires_grad_()
@@ -142,9 +176,10 @@ def reconstruct(model, labels, input_shape, cfg, log=print):
 
     last_finite = x.detach().clone()
     for step in range(cfg.n_rec):
-        l_rec, l_lambda, l_prior = reconstruction_losses(net, params, x, labels, lam, cfg.lambda_min)
+        l_rec, l_lambda, l_prior = reconstruction_losses(net, params, target, scale, x, labels, lam, cfg.lambda_min)
         loss = l_rec + l_lambda + l_prior
-        first_loss = loss.item() if step == 0 else first_loss
+        if step == 0:
+            first_loss, first_l_rec = loss.item(), l_rec.item()
         if not torch.isfinite(loss):  # diverged: fall back to the last candidates with a finite loss
             log(f"    reconstruction stopped at step {step}: the loss is not finite")
             x = last_finite
@@ -160,7 +195,9 @@ def reconstruct(model, labels, input_shape, cfg, log=print):
     finite = torch.isfinite(x.flatten(1)).all(1)  # never hand NaNs to training
     report = {"candidates": len(labels), "kept": int(finite.sum()), "steps": step + 1,
               "first_loss": first_loss, "last_loss": loss.item(),
-              "last_l_rec": l_rec.item(), "seconds": round(time.time() - start, 2)}
+              "first_l_rec": first_l_rec, "last_l_rec": l_rec.item(),
+              "target_sq_norm": sum(v.pow(2).sum() for v in target.values()).item(),
+              "seconds": round(time.time() - start, 2)}
     return x[finite], labels[finite], report
 
 
@@ -479,7 +516,9 @@ def make_parser():
     g.add_argument("--m", type=int, default=None, help="candidates per old class (default: n per class)")
     g.add_argument("--n-rec", type=int, default=100, help="reconstruction steps")
     g.add_argument("--sigma-x", type=float, default=1e-3, help="std of the initial candidates")
-    g.add_argument("--lr-x", type=float, default=0.1)
+    g.add_argument("--lr-x", type=float, default=None, help="default: 0.1 (weights target), 3 (displacement)")
+    g.add_argument("--rec-target", choices=["weights", "displacement"], default="weights",
+                   help="fit theta, as Eq. 3 is written, or theta - theta_0 (see recl.py, part 1)")
     g.add_argument("--lr-lambda", type=float, default=0.1)
     g.add_argument("--lambda-min", type=float, default=0.05)
     g.add_argument("--alpha", type=float, default=100.0, help="sharpness of the smooth ReLU backward")
@@ -502,9 +541,9 @@ def make_parser():
 def check_args(cfg):
     """Reject values that make no sense before any work starts."""
     positive = {"batch-size": cfg.batch_size, "n-rec": cfg.n_rec, "sigma-x": cfg.sigma_x,
-                "lr-x": cfg.lr_x, "lr-lambda": cfg.lr_lambda, "lambda-min": cfg.lambda_min,
+                "lr-lambda": cfg.lr_lambda, "lambda-min": cfg.lambda_min,
                 "alpha": cfg.alpha, "seeds": cfg.seeds, "trials": cfg.trials}
-    optional = {"epochs": cfg.epochs, "lr": cfg.lr, "m": cfg.m, "n-per-class": cfg.n_per_class,
+    optional = {"epochs": cfg.epochs, "lr": cfg.lr, "lr-x": cfg.lr_x, "m": cfg.m, "n-per-class": cfg.n_per_class,
                 "classes-per-task": cfg.classes_per_task}
     for flag, value in optional.items():
         if value is not None:
@@ -632,6 +671,7 @@ def main(argv=None):
     if cfg.device == "auto":
         cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg.m = cfg.m or cfg.n_per_class or 100
+    cfg.lr_x = cfg.lr_x or DEFAULT_LR_X[cfg.rec_target]
     cfg.classes_per_task = cfg.classes_per_task or (20 if cfg.dataset == "tinyimagenet" else 2)
     log = (lambda *a: None) if cfg.quiet else (lambda *a: print(*a, flush=True))
     if cfg.tune:
