@@ -107,8 +107,9 @@ def build_model(name, input_shape, n_classes):
     return remember_start({"cnn": CNN, "alexnet": AlexNet, "resnet18": ResNet18}[name](tuple(input_shape), n_classes))
 
 
-# Reconstruction fits what training added to the weights, theta - theta_0
-# (recl.py, part 1), so a model keeps a copy of its initial weights theta_0.
+# Reconstruction can fit what training added to the weights, theta - theta_0
+# (`--rec-target displacement`, recl.py part 1), so a model keeps a copy of
+# its initial weights theta_0.
 
 def remember_start(model):
     """Keep a copy of the weights as they are now, as the model's theta_0."""
