@@ -11,6 +11,7 @@
 #
 # Resumable: each run writes its own JSON atomically, and a run whose JSON
 # exists is skipped, so an interrupted run_all.sh loses at most the runs in flight.
+# Without RESULTS=..., QUICK=1 and extra arguments choose their own folder.
 # Datasets that cannot be loaded (say, CIFAR10 on a machine without internet)
 # are skipped with one line saying why.
 # Knobs: DATASETS SCENARIOS METHODS SEEDS JOBS RESULTS DATA_ROOT QUICK TUNE SWEEP PYTHON DRY_RUN.
@@ -23,14 +24,21 @@ METHODS=${METHODS:-finetune ewc er upgd agem lwf gpm}
 SEEDS=${SEEDS:-5}
 JOBS=${JOBS:-1}
 TUNE=${TUNE:-0}
-if [ "$TUNE" = 1 ]; then RESULTS=${RESULTS:-results/tuning}; else RESULTS=${RESULTS:-results}; fi
 DATA_ROOT=${DATA_ROOT:-data}
 PYTHON=${PYTHON:-python}
 EXTRA=("$@")
+# Runs with other settings get their own default folder (results/quick,
+# results/epochs_30, ...), so a finished run is never mistaken for one made
+# with different settings and skipped.
+SETTINGS=$(printf '%s ' "$@" | sed -E 's/(^| )--/\1/g; s/[^A-Za-z0-9.=-]+/_/g; s/_$//')
 if [ "${QUICK:-0}" = 1 ]; then
   SEEDS=1
   EXTRA=(--epochs 5 --n-rec 20 "${EXTRA[@]}")
+  SETTINGS=quick${SETTINGS:+_$SETTINGS}
 fi
+DEFAULT_RESULTS=results
+[ "$TUNE" = 1 ] && DEFAULT_RESULTS=results/tuning
+RESULTS=${RESULTS:-$DEFAULT_RESULTS${SETTINGS:+/$SETTINGS}}
 read -r -a SWEEP_VALUES <<< "${SWEEP:-}"
 SWEEP_FLAG=${SWEEP_VALUES[0]:-}
 SWEEP_VALUES=("${SWEEP_VALUES[@]:1}")

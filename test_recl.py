@@ -515,6 +515,22 @@ def test_run_all_sweeps_a_flag_into_one_folder_per_value(tmp_path):
     assert bad.returncode == 2 and "SWEEP needs a flag and its values" in bad.stderr
 
 
+def test_run_all_keeps_runs_with_other_settings_apart(tmp_path):
+    """A QUICK run or one with extra flags must not count as a finished default run."""
+    def folder(*args, **knobs):
+        env = {"PATH": "/usr/bin:/bin", "PYTHON": "true", "DRY_RUN": "1", "SCENARIOS": "cil",
+               "METHODS": "finetune", "SEEDS": "1", **knobs}  # `true`: skip the dataset check, only list
+        result = subprocess.run(["bash", str(HERE / "run_all.sh"), *args], capture_output=True, text=True,
+                                env=env, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        return result.stdout.split(" runs to do in ")[1].split(" ")[0]
+    assert folder() == "results/"
+    assert folder(QUICK="1") == "results/quick/"
+    assert folder("--epochs", "30", "--rec-target", "displacement") == "results/epochs_30_rec-target_displacement/"
+    assert folder("--m", "50", QUICK="1") == "results/quick_m_50/"
+    assert folder("--epochs", "30", RESULTS=str(tmp_path)) == f"{tmp_path}/"  # an explicit folder wins
+
+
 def test_run_all_tune_runs_one_search_per_method(tmp_path):
     result, runs = run_all_dry(tmp_path, TUNE="1", METHODS="ewc gpm", SEEDS="5", RESULTS=str(tmp_path))
     assert result.returncode == 0, result.stderr
