@@ -282,7 +282,6 @@ def make_tasks(dataset, seed, n_per_class=100, scenario="cil", classes_per_task=
     return tasks, class_order, mean_image
 
 
-
 def validation_split(tasks, fraction=0.2, seed=0):
     """Tasks whose test set is a held-out `fraction` of their own training images.
 
