@@ -204,10 +204,19 @@ def reconstruct(model, labels, input_shape, cfg, log=print):
 # -----------------------------------------------------------------------------
 # 1b. How good are the reconstructions? (App. E)
 # -----------------------------------------------------------------------------
-# Reporting only: training never sees these real images. For each real image
-# we find its nearest reconstruction by L2 distance after standardising both
-# sets, add the training mean image back to both, stretch each image to
-# [0, 1] and compute SSIM. Haim et al. (2022) count SSIM > 0.4 as recovered.
+# Reporting only: training never sees these real images. App. E in three steps:
+#   1. standardise both sets (each image minus its set's mean image, over the
+#      set's spread) and match each real image to its nearest candidate by L2;
+#   2. add the training mean image back and stretch each image to [0, 1];
+#   3. SSIM of each pair. Haim et al. (2022) count SSIM > 0.4 as recovered.
+# One change to step 2: the paper adds the mean to the *standardised*
+# candidates, which have lost their set's mean image and have unit spread, so
+# even exact copies of the real images score well below 1. We first give the
+# standardised candidates the real set's mean image and spread. The score then
+# ignores only the candidates' overall scale and offset: a perfect copy at any
+# scale scores 1, and random candidates get exactly the same help. (Without any
+# rescaling, small reconstructions vanish under the mean image and score like
+# the mean image itself, however good they are; test_recl.py checks both.)
 
 def ssim(a, b, window=11, sigma=1.5):
     """Mean SSIM (Wang et al. 2004) of each image pair in [0, 1]; Gaussian window, valid borders."""
@@ -223,12 +232,21 @@ def ssim(a, b, window=11, sigma=1.5):
     return index.flatten(1).mean(1)
 
 
+def standardise(images):
+    """Each image minus the set's mean image, divided by the set's spread around it."""
+    centred = images - images.mean(0)
+    return centred / centred.std().clamp_min(1e-12)
+
+
 def nearest_candidates(reference, candidates):
     """Index of the nearest candidate for each reference image, each set standardised on its own."""
-    def standardise(t):
-        t = t.flatten(1)
-        return (t - t.mean(0)) / t.std().clamp_min(1e-12)
-    return torch.cdist(standardise(reference), standardise(candidates)).argmin(1)
+    return torch.cdist(standardise(reference).flatten(1), standardise(candidates).flatten(1)).argmin(1)
+
+
+def on_reference_scale(candidates, reference):
+    """Standardised candidates with the reference set's mean image and spread."""
+    centred = reference - reference.mean(0)
+    return standardise(candidates) * centred.std() + reference.mean(0)
 
 
 def as_picture(x, mean_image):
@@ -242,8 +260,8 @@ def as_picture(x, mean_image):
 def reconstruction_quality(reference, candidates, mean_image):
     """SSIM of every reference image with its nearest candidate, and those candidates' indices."""
     nearest = nearest_candidates(reference, candidates)
-    scores = ssim(as_picture(reference, mean_image), as_picture(candidates[nearest], mean_image))
-    return scores, nearest
+    shown = on_reference_scale(candidates, reference)[nearest]
+    return ssim(as_picture(reference, mean_image), as_picture(shown, mean_image)), nearest
 
 
 def save_pairs(path, reference, candidates, nearest, mean_image, n=32):
@@ -251,7 +269,7 @@ def save_pairs(path, reference, candidates, nearest, mean_image, n=32):
     from torchvision.utils import save_image
     pick = torch.linspace(0, len(reference) - 1, min(n, len(reference))).long()  # spread over old classes
     real = as_picture(reference[pick], mean_image)
-    found = as_picture(candidates[nearest[pick]], mean_image)
+    found = as_picture(on_reference_scale(candidates, reference)[nearest[pick]], mean_image)
     rows = [t for pair in zip(real.split(16), found.split(16)) for t in pair]
     save_image(torch.cat(rows).cpu(), path, nrow=16, padding=1, pad_value=1.0)
 

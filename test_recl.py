@@ -569,6 +569,22 @@ def test_nearest_candidates_finds_shuffled_rescaled_copies():
     assert (scores > 0.95).all()
 
 
+def test_quality_ignores_scale_and_offset_but_not_content():
+    # real-looking reference: smooth blobs around a shared mean image, as mean-subtracted data is
+    torch.manual_seed(0)
+    mean_image = torch.rand(1, 12, 12)
+    reference = F.avg_pool2d(torch.randn(20, 1, 16, 16), 5, stride=1) * 2 - 0.1
+    exact, _ = recl.reconstruction_quality(reference, reference, mean_image)
+    tiny, _ = recl.reconstruction_quality(reference, 0.01 * reference + 0.3, mean_image)
+    torch.testing.assert_close(tiny, exact)  # a reconstruction's size and offset do not matter
+    assert exact.min() > 0.999
+    noise = torch.randn(20, 1, 12, 12)
+    random_small, _ = recl.reconstruction_quality(reference, 1e-3 * noise, mean_image)
+    random_large, _ = recl.reconstruction_quality(reference, noise, mean_image)
+    torch.testing.assert_close(random_small, random_large)  # nor does the random start's sigma_x
+    assert random_small.mean() < 0.5
+
+
 def test_random_search_is_reproducible_and_stays_in_range():
     draws = [recl.sample_hyperparameters(torch.Generator().manual_seed(5)) for _ in range(2)]
     assert draws[0] == draws[1]
