@@ -112,7 +112,7 @@ def trained_on_eight_digits():
 
 def test_reconstruction_recovers_training_data(trained_on_eight_digits):
     model, x = trained_on_eight_digits
-    cfg = config(n_rec=1000)  # the defaults otherwise: Eq. 3 as written, lr_x 0.1
+    cfg = config(n_rec=1000)  # the defaults otherwise: Eq. 3 as written, lr_x 1
     labels_rec = recl.candidate_labels(2, 8, 1, "cil")
     x_rec, _, report = recl.reconstruct(model, labels_rec, (1, 28, 28), cfg, log=lambda *a: None)
     # cosine similarity of each training image to its nearest reconstruction,
