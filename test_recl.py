@@ -615,7 +615,8 @@ def test_recon_quality_and_image_grid_are_written(tmp_path):
     record = recl.run_continual(cfg, tasks, "finetune", True, lambda *a: None)
     assert [q["task"] for q in record["recon_quality"]] == [2, 3]
     for q in record["recon_quality"]:
-        for key in ("mean_ssim", "frac_ssim_above_0_4", "init_mean_ssim", "init_frac_ssim_above_0_4"):
+        for key in ("mean_ssim", "frac_ssim_above_0_4", "init_mean_ssim", "init_frac_ssim_above_0_4",
+                    "real_mean_ssim", "real_frac_ssim_above_0_4"):
             assert -1.0 <= q[key] <= 1.0
     pngs = sorted(p.name for p in tmp_path.glob("*.png"))
     assert pngs == ["mnist-cil-finetune+recl-seed0-task2.png", "mnist-cil-finetune+recl-seed0-task3.png"]
