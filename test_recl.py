@@ -601,9 +601,13 @@ def test_tuned_reconstruction_records_its_choice(tuning):
     cfg = config(epochs=2, n_rec=5, m=3, tuning=tuning, trials=3)
     lines = []
     record = recl.run_continual(cfg, tasks, "finetune", True, lines.append)
-    assert sum("trial" in line for line in lines) == 3
+    trials = [line for line in lines if "trial" in line]
+    assert len(trials) == 3
+    assert f"lr_x {cfg.lr_x:.3g} " in trials[0] and f"alpha {cfg.alpha:.3g} " in trials[0]  # the defaults go first
     (report,) = record["reconstructions"]
     assert set(report["hyperparameters"]) == set(recl.SEARCH_SPACE)
+    scores = [float(line.rsplit("score", 1)[1]) for line in trials]
+    assert report["score"] == pytest.approx(max(scores), rel=1e-3)  # the best-scoring trial is the one kept
     again = recl.run_continual(cfg, tasks, "finetune", True, lambda *a: None)
     assert again["reconstructions"][0]["hyperparameters"] == report["hyperparameters"]
     assert again["acc_matrix"] == record["acc_matrix"]
