@@ -405,6 +405,21 @@ def judge_reconstruction(old_tasks, x_rec, cfg, mean_image):
     return quality, real, nearest
 
 
+def report_reconstruction(name, old_tasks, x_rec, cfg, mean_image, log=print):
+    """Log how close the reconstructions made before task len(old_tasks) + 1 are, and save
+    their image grid if asked; returns the figures for the run's JSON."""
+    task = len(old_tasks) + 1
+    quality, real, nearest = judge_reconstruction(old_tasks, x_rec, cfg, mean_image)
+    log(f"  [{name}] task {task}: SSIM to nearest real image {quality['mean_ssim']:.3f} "
+        f"(random candidates {quality['init_mean_ssim']:.3f}, held-out real {quality['real_mean_ssim']:.3f}), "
+        f"{100 * quality['frac_ssim_above_0_4']:.0f}% above 0.4")
+    if cfg.save_images:
+        path = Path(cfg.out) / f"{dataset_name(cfg.dataset)}-{cfg.scenario}-{name}-seed{cfg.seed}-task{task}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_pairs(path, real, x_rec, nearest, mean_image)
+    return {"task": task, **quality}
+
+
 def run_continual(cfg, tasks, method, use_recl, log=print, mean_image=None):
     """Train one model through all tasks (ReCL optional); return the run's record."""
     start = time.time()
@@ -430,16 +445,7 @@ def run_continual(cfg, tasks, method, use_recl, log=print, mean_image=None):
             log(f"  [{name}] task {t + 1}: reconstructed {report['kept']}/{report['candidates']} "
                 f"in {report['seconds']}s, loss {report['first_loss']:.4g} -> {report['last_loss']:.4g}")
             if len(x_rec):
-                quality, real, nearest = judge_reconstruction(tasks[:t], x_rec, cfg, mean_image)
-                recon_quality.append({"task": t + 1, **quality})
-                log(f"  [{name}] task {t + 1}: SSIM to nearest real image {quality['mean_ssim']:.3f} "
-                    f"(random candidates {quality['init_mean_ssim']:.3f}, held-out real {quality['real_mean_ssim']:.3f}), "
-                    f"{100 * quality['frac_ssim_above_0_4']:.0f}% above 0.4")
-                if cfg.save_images:
-                    stem = f"{dataset_name(cfg.dataset)}-{cfg.scenario}-{name}-seed{cfg.seed}"
-                    path = Path(cfg.out) / f"{stem}-task{t + 1}.png"
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    save_pairs(path, real, x_rec, nearest, mean_image)
+                recon_quality.append(report_reconstruction(name, tasks[:t], x_rec, cfg, mean_image, log))
             # Step 2: train on reconstructions and new data together.
             x, y = torch.cat([x, x_rec]), torch.cat([y, y_rec])
         if cfg.scenario == "cil":
