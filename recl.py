@@ -119,25 +119,35 @@ def weighted_gradient_sum(model, params, x, y, lam):
 # small, so at lr_x 0.1 (Haim et al.'s setting for their far longer runs) 100
 # steps barely move them. lr_x 1 gives about twice the random start's SSIM at
 # the same ACC; README "Tuning and judging the reconstruction" has the sweep.
-DEFAULT_LR_X = {"weights": 1.0, "displacement": 3.0}
+DEFAULT_LR_X = {"weights": 1.0, "displacement": 3.0, "layerwise": 3.0}
 
 
 def reconstruction_target(params, start, target):
-    """What the gradient combination should equal, and the scale of L_rec:
-    theta as in Eq. 3, or the displacement theta - theta_0 measured relative to its size."""
+    """What the gradient combination should equal, and the weight of each parameter
+    tensor's squared error in L_rec (a dict of numbers, one per tensor).
+
+    weights:      theta, as Eq. 3 is written; every tensor counts as it is.
+    displacement: theta - theta_0, as a share of ||theta - theta_0||^2.
+    layerwise:    theta - theta_0, each tensor as a share of its own size, averaged
+                  over tensors, so that no layer drowns the others (see above).
+    """
     if target == "weights":
-        return params, 1.0
+        return params, {k: 1.0 for k in params}
     if start is None:
-        raise ValueError("the displacement target needs the model's initial weights: "
+        raise ValueError(f"the {target} target needs the model's initial weights: "
                          "build it with models.build_model or call models.remember_start first")
     displacement = {k: params[k] - start[k] for k in params}
-    return displacement, 1.0 / sum(v.pow(2).sum() for v in displacement.values()).clamp_min(1e-30)
+    sizes = {k: v.pow(2).sum().clamp_min(1e-30) for k, v in displacement.items()}
+    if target == "displacement":
+        total = sum(sizes.values())
+        return displacement, {k: 1.0 / total for k in params}
+    return displacement, {k: 1.0 / (len(sizes) * sizes[k]) for k in params}
 
 
-def reconstruction_losses(model, params, target, scale, x, y, lam, lambda_min):
-    """L_rec (times `scale`), L_lambda and L_prior of Eq. 3-5."""
+def reconstruction_losses(model, params, target, scales, x, y, lam, lambda_min):
+    """L_rec (each tensor's squared error times its scale), L_lambda and L_prior of Eq. 3-5."""
     combination = weighted_gradient_sum(model, params, x, y, lam)
-    l_rec = scale * sum((target[k] - combination[k]).pow(2).sum() for k in params)
+    l_rec = sum(scales[k] * (target[k] - combination[k]).pow(2).sum() for k in params)
     l_lambda = 5 * F.relu(lambda_min - lam).pow(2).sum()
     l_prior = F.relu(x.abs() - 1).pow(2).sum()
     return l_rec, l_lambda, l_prior
@@ -160,27 +170,53 @@ def initial_candidates(m, input_shape, sigma_x, seed):
     return torch.randn(m, *input_shape, generator=gen) * sigma_x, torch.rand(m, generator=gen)
 
 
-def reconstruct(model, labels, input_shape, cfg, log=print):
+def warm_start(x, labels, previous_x, previous_labels):
+    """Candidates of a class that was reconstructed before start from those reconstructions.
+
+    Before task t+1 the classes of tasks 1..t-1 were already reconstructed before
+    task t, and the model has since trained on those reconstructions, so its
+    weights hold their gradients too: they are a far better start than noise.
+    Slots with no earlier reconstruction of their label (the classes of task t)
+    keep their noise. Returns the candidates and which slots were filled.
+    """
+    x, filled = x.clone(), torch.zeros(len(x), dtype=torch.bool)
+    for c in previous_labels.unique():
+        slots = (labels == c).nonzero().squeeze(1)
+        earlier = previous_x[previous_labels == c]
+        n = min(len(slots), len(earlier))
+        x[slots[:n]] = earlier[:n].to(x.device)
+        filled[slots[:n]] = True
+    return x, filled
+
+
+def reconstruct(model, labels, input_shape, cfg, log=print, previous=None):
     """Step 1 of ReCL: recover look-alikes of old training data from `model` alone.
 
     Returns the candidates, their labels, and a small report. Candidates start
-    as N(0, sigma_x^2) noise and are optimised, together with their lambdas, by
-    two full-batch SGD optimisers with momentum 0.9 for n_rec steps (Eq. 6).
+    as N(0, sigma_x^2) noise (or, with `previous` = (x, labels) of an earlier
+    reconstruction, from it where it has their label) and are optimised,
+    together with their lambdas, by two full-batch SGD optimisers with momentum
+    0.9 for n_rec steps (Eq. 6).
     """
     start = time.time()
     device = next(model.parameters()).device
     net = models.with_smooth_relu(model, cfg.alpha).eval()  # smooth backward, exact forward
     params = {k: v.detach() for k, v in net.named_parameters()}
-    target, scale = reconstruction_target(params, models.start_weights(model), cfg.rec_target)
+    target, scales = reconstruction_target(params, models.start_weights(model), cfg.rec_target)
     labels = labels.to(device)
     x, lam = initial_candidates(len(labels), input_shape, cfg.sigma_x, cfg.seed)
+    frozen = torch.zeros(len(x), dtype=torch.bool)
+    if previous is not None:
+        x, filled = warm_start(x, labels.cpu(), *(v.cpu() for v in previous))
+        frozen = filled if cfg.warm_start == "freeze" else frozen
+    frozen = frozen.to(device)
     x, lam = x.to(device).requires_grad_(), lam.to(device).requires_grad_()
     opt_x = torch.optim.SGD([x], lr=cfg.lr_x, momentum=0.9)
     opt_lam = torch.optim.SGD([lam], lr=cfg.lr_lambda, momentum=0.9)
 
     last_finite = x.detach().clone()
     for step in range(cfg.n_rec):
-        l_rec, l_lambda, l_prior = reconstruction_losses(net, params, target, scale, x, labels, lam, cfg.lambda_min)
+        l_rec, l_lambda, l_prior = reconstruction_losses(net, params, target, scales, x, labels, lam, cfg.lambda_min)
         loss = l_rec + l_lambda + l_prior
         if step == 0:
             first_loss, first_l_rec = loss.item(), l_rec.item()
@@ -192,6 +228,7 @@ def reconstruct(model, labels, input_shape, cfg, log=print):
         opt_x.zero_grad()
         opt_lam.zero_grad()
         loss.backward()
+        x.grad[frozen] = 0  # frozen candidates stay in the sum of Eq. 3 but do not move
         opt_x.step()
         opt_lam.step()
 
@@ -301,7 +338,7 @@ def sample_hyperparameters(gen):
     return draws
 
 
-def search_reconstruction(model, labels, input_shape, cfg, score, seed, log=print):
+def search_reconstruction(model, labels, input_shape, cfg, score, seed, log=print, previous=None):
     """Random search: run `cfg.trials` reconstructions, return the one `score` rates highest.
     Trial 1 uses the flag values (the naive strategy's), so the search can only
     keep the defaults or find something its score rates higher."""
@@ -309,7 +346,8 @@ def search_reconstruction(model, labels, input_shape, cfg, score, seed, log=prin
     best = None
     for trial in range(cfg.trials):
         hp = {k: getattr(cfg, k) for k in SEARCH_SPACE} if trial == 0 else sample_hyperparameters(gen)
-        x, y, report = reconstruct(model, labels, input_shape, argparse.Namespace(**{**vars(cfg), **hp}), log)
+        x, y, report = reconstruct(model, labels, input_shape, argparse.Namespace(**{**vars(cfg), **hp}), log,
+                                   previous)
         value = score(x, report) if math.isfinite(report["last_loss"]) and len(x) else -math.inf
         log(f"    trial {trial + 1}/{cfg.trials}: " + " ".join(f"{k} {v:.3g}" for k, v in hp.items())
             + f" -> score {value:.4g}")
@@ -346,7 +384,7 @@ def accuracy(model, x, y, batch_size=1000):
 def train_task(model, x, y, hooks, state, cfg):
     """Plain SGD on cross-entropy; the strategy's hooks add a loss term or edit gradients."""
     model.train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     batches = data.loader(x, y, cfg.batch_size, seed=cfg.seed)
     for _ in range(cfg.epochs):
         total = 0.0
@@ -372,18 +410,41 @@ def reference_buffer(old_tasks, fraction, seed):
     return torch.cat(picks)
 
 
-def reconstruct_old_data(model, old_tasks, cfg, mean_image, seed, log=print):
+@torch.no_grad()
+def classified_as_labelled(model, x, y):
+    """Which candidates the model assigns to their own label (App. E's filtering idea):
+    a candidate the model files under another class teaches the wrong thing."""
+    model.eval()
+    return model(x).argmax(1) == y
+
+
+def on_data_scale(candidates, new_data):
+    """Each candidate rescaled to the mean norm of the new task's images.
+
+    Eq. 3 pins a candidate's direction better than its length (the first
+    layer's bias aside, the network is homogeneous: scaling an input scales
+    every logit), and the candidates come out several times shorter than real
+    images. Trained on as they are, old classes become "short inputs" and new
+    ones "long inputs", a shortcut that real old test images, as long as the
+    new ones, do not take.
+    """
+    target = new_data.flatten(1).norm(dim=1).mean()
+    norms = candidates.flatten(1).norm(dim=1).clamp_min(1e-12)
+    return candidates * (target / norms).view(-1, *[1] * (candidates.dim() - 1))
+
+
+def reconstruct_old_data(model, old_tasks, cfg, mean_image, seed, log=print, previous=None):
     """Step 1 before a new task: reconstruct with the chosen tuning strategy (Sec. 4.3)."""
     input_shape = old_tasks[0].x_train.shape[1:]
     labels = candidate_labels(model.head.out_features, cfg.m, len(old_tasks), cfg.scenario)
     if cfg.tuning == "naive":
-        return reconstruct(model, labels, input_shape, cfg, log)
+        return reconstruct(model, labels, input_shape, cfg, log, previous)
     if cfg.tuning == "unsup":
         score = lambda x, report: -report["last_loss"]
     else:
         buffer = reference_buffer(old_tasks, 0.1, seed)
         score = lambda x, report: reconstruction_quality(buffer, x, mean_image)[0].mean().item()
-    return search_reconstruction(model, labels, input_shape, cfg, score, seed, log)
+    return search_reconstruction(model, labels, input_shape, cfg, score, seed, log, previous)
 
 
 def judge_reconstruction(old_tasks, x_rec, cfg, mean_image):
@@ -433,14 +494,22 @@ def run_continual(cfg, tasks, method, use_recl, log=print, mean_image=None):
     hooks, state = strategies.STRATEGIES[method], strategies.new_state(method, **cfg.hp)
     name = method + ("+recl" if use_recl else "")
     R = [[None] * len(tasks) for _ in tasks]
-    reconstructions, recon_quality = [], []
+    reconstructions, recon_quality, previous = [], [], None
 
     for t, task in enumerate(tasks):
         task_start = time.time()
         x, y = task.x_train, task.y_train
         if use_recl and t > 0:
             # Step 1: reconstruct old data from the model as it is after task t-1.
-            x_rec, y_rec, report = reconstruct_old_data(model, tasks[:t], cfg, mean_image, cfg.seed * 100 + t, log)
+            x_rec, y_rec, report = reconstruct_old_data(model, tasks[:t], cfg, mean_image, cfg.seed * 100 + t, log,
+                                                        previous)
+            if cfg.warm_start != "off":
+                previous = (x_rec, y_rec)  # all of them: a misclassified one may be fixed next time
+            if cfg.filter:
+                keep = classified_as_labelled(model, x_rec, y_rec)
+                x_rec, y_rec, report["kept"] = x_rec[keep], y_rec[keep], int(keep.sum())
+            if cfg.rescale:
+                x_rec = on_data_scale(x_rec, x)
             reconstructions.append({"task": t + 1, **report})
             log(f"  [{name}] task {t + 1}: reconstructed {report['kept']}/{report['candidates']} "
                 f"in {report['seconds']}s, loss {report['first_loss']:.4g} -> {report['last_loss']:.4g}")
@@ -550,13 +619,25 @@ def make_parser():
     g.add_argument("--batch-size", type=int, default=64)
     g.add_argument("--n-per-class", type=images_per_class, default=100,
                    help="training images per class, or 'all'")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="SGD weight decay")
+    g.add_argument("--validation", action="store_true",
+                   help="hold out 20%% of each task's training images and score on them instead of the test "
+                        "set: for choosing settings")
     g = p.add_argument_group("reconstruction")
     g.add_argument("--m", type=int, default=None, help="candidates per old class (default: n per class)")
     g.add_argument("--n-rec", type=int, default=100, help="reconstruction steps")
     g.add_argument("--sigma-x", type=float, default=1e-3, help="std of the initial candidates")
     g.add_argument("--lr-x", type=float, default=None, help="default: 1 (weights target), 3 (displacement)")
-    g.add_argument("--rec-target", choices=["weights", "displacement"], default="weights",
-                   help="fit theta, as Eq. 3 is written, or theta - theta_0 (see recl.py, part 1)")
+    g.add_argument("--rec-target", choices=["weights", "displacement", "layerwise"], default="weights",
+                   help="fit theta, as Eq. 3 is written, or theta - theta_0, whole or layer by layer "
+                        "(see recl.py, part 1)")
+    g.add_argument("--warm-start", choices=["off", "continue", "freeze"], default="off",
+                   help="start each class's candidates from its reconstructions before the previous task "
+                        "and optimise them further (continue) or keep them as they are (freeze)")
+    g.add_argument("--filter", action=argparse.BooleanOptionalAction, default=False,
+                   help="train only on candidates the model classifies as their label")
+    g.add_argument("--rescale", action=argparse.BooleanOptionalAction, default=False,
+                   help="give each candidate the mean norm of the new task's images before training on it")
     g.add_argument("--lr-lambda", type=float, default=0.1)
     g.add_argument("--lambda-min", type=float, default=0.05)
     g.add_argument("--alpha", type=float, default=100.0, help="sharpness of the smooth ReLU backward")
@@ -598,6 +679,8 @@ def check_args(cfg):
     cfg.hp = {key: type(known[key])(value) for key, value in cfg.hp}
     if cfg.tune and (cfg.lr is not None or cfg.epochs is not None):
         raise UsageError("--tune chooses --lr and --epochs itself; leave them out")
+    if not (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0):
+        raise UsageError(f"--weight-decay must be a finite number >= 0, got {cfg.weight_decay}")
     if cfg.seed < 0:
         raise UsageError(f"--seed must be >= 0, got {cfg.seed}")
     if cfg.dataset not in data.DATASETS and not cfg.dataset.endswith(".pt"):
@@ -624,7 +707,8 @@ def dataset_name(dataset):
 
 def result_path(out, cfg, method, use_recl, seed):
     variant = ("+recl" + ("" if cfg.tuning == "naive" else f"-{cfg.tuning}")) if use_recl else ""
-    return Path(out) / f"{dataset_name(cfg.dataset)}-{cfg.scenario}-{method}{variant}-seed{seed}.json"
+    split = "-validation" if cfg.validation else ""
+    return Path(out) / f"{dataset_name(cfg.dataset)}-{cfg.scenario}-{method}{variant}{split}-seed{seed}.json"
 
 
 def write_json_atomically(path, record):
@@ -720,6 +804,8 @@ def main(argv=None):
     for seed in range(cfg.seed, cfg.seed + cfg.seeds):
         tasks, class_order, mean_image = data.make_tasks(cfg.dataset, seed, cfg.n_per_class, cfg.scenario,
                                                          cfg.classes_per_task, cfg.data_root)
+        if cfg.validation:
+            tasks = data.validation_split(tasks, 0.2, seed)
         for use_recl in variants:
             run_cfg = argparse.Namespace(**{**vars(cfg), "seed": seed})
             name = cfg.method + ("+recl" if use_recl else "")
