@@ -112,7 +112,7 @@ def trained_on_eight_digits():
 
 def test_reconstruction_recovers_training_data(trained_on_eight_digits):
     model, x = trained_on_eight_digits
-    cfg = config(n_rec=1000)  # the defaults otherwise: Eq. 3 as written, lr_x 1
+    cfg = config(n_rec=1000, rec_target="weights")  # Eq. 3 as written, lr_x 1
     labels_rec = recl.candidate_labels(2, 8, 1, "cil")
     x_rec, _, report = recl.reconstruct(model, labels_rec, (1, 28, 28), cfg, log=lambda *a: None)
     # cosine similarity of each training image to its nearest reconstruction,
@@ -143,7 +143,7 @@ def test_displacement_target_needs_the_initial_weights():
     with pytest.raises(ValueError, match="initial weights"):
         recl.reconstruct(model, torch.tensor([0, 1]), (16,), config(n_rec=1, rec_target="displacement"),
                          log=lambda *a: None)
-    assert recl.reconstruct(model, torch.tensor([0, 1]), (16,), config(n_rec=1),
+    assert recl.reconstruct(model, torch.tensor([0, 1]), (16,), config(n_rec=1, rec_target="weights"),
                             log=lambda *a: None)[2]["steps"] == 1
 
 
@@ -156,6 +156,80 @@ def test_nonfinite_reconstruction_is_dropped_not_trained_on():
     assert torch.isfinite(x).all() and x.abs().max() < 1e6  # the state before it blew up
     assert len(x) == len(y) == report["kept"] <= 8
     assert any("not finite" in m for m in messages)
+
+
+def test_earlier_reconstructions_stay_fixed_and_new_classes_start_from_noise():
+    """--freeze-old: the classes reconstructed before keep those candidates bit for bit,
+    only the slots of the newest classes are optimised, from the usual noise start."""
+    torch.manual_seed(0)
+    model = models.remember_start(models.MLP(16, 4, hidden=8))
+    with torch.no_grad():  # as if trained: a displacement to reconstruct from
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    labels = recl.candidate_labels(4, 3, 2, "cil")  # classes 0-3, three candidates each
+    earlier_labels = torch.tensor([0, 0, 0, 1, 1])  # class 1 had one candidate filtered out
+    earlier_x = torch.randn(5, 16)
+    cfg = config(n_rec=20, m=3)
+    x, y, _ = recl.reconstruct(model, labels, (16,), cfg, lambda *a: None, earlier=(earlier_x, earlier_labels))
+    assert torch.equal(y, labels)
+    assert torch.equal(x[labels == 0], earlier_x[:3])
+    assert torch.equal(x[(labels == 1)][:2], earlier_x[3:])
+    start, _ = recl.initial_candidates(len(labels), (16,), cfg.sigma_x, cfg.seed)
+    moved = (x - start).flatten(1).norm(dim=1)
+    free = torch.tensor([False] * 5 + [True] + [True] * 6)  # class 1's third slot, classes 2 and 3
+    assert (moved[free] > 10 * cfg.sigma_x).all(), moved
+
+
+def test_run_continual_passes_each_reconstruction_on_to_the_next(monkeypatch):
+    tasks = synthetic_tasks("cil", n_tasks=3)
+    seen, real_reconstruct = [], recl.reconstruct
+    def spy(model, labels, input_shape, cfg, log=print, earlier=None):
+        seen.append(earlier)
+        out = real_reconstruct(model, labels, input_shape, cfg, log, earlier)
+        seen.append(out[0].clone())
+        return out
+    monkeypatch.setattr(recl, "reconstruct", spy)
+    recl.run_continual(config(epochs=2, n_rec=3, m=2, filter=False), tasks, "finetune", True, lambda *a: None)
+    first_earlier, made_before_task_2, second_earlier, made_before_task_3 = seen
+    assert first_earlier is None
+    assert torch.equal(second_earlier[0], made_before_task_2)
+    assert torch.equal(made_before_task_3[:4], made_before_task_2)  # classes 0 and 1 kept as they were
+    seen.clear()
+    recl.run_continual(config(epochs=2, n_rec=3, m=2, freeze_old=False), tasks, "finetune", True, lambda *a: None)
+    assert seen[0] is None and seen[2] is None
+
+
+def test_filter_keeps_exactly_the_candidates_classified_as_their_label():
+    model = nn.Linear(3, 3, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.eye(3))  # predicts the index of the largest input
+    x = torch.tensor([[1.0, 0, 0], [0, 2, 0], [0, 0, 3], [5, 0, 1], [0, 1, 0]])
+    y = torch.tensor([0, 1, 0, 0, 2])
+    assert recl.classified_as_labelled(model, x, y).tolist() == [True, True, False, True, False]
+
+
+def test_filtered_candidates_are_not_trained_on(monkeypatch):
+    tasks = synthetic_tasks("cil", n_tasks=2)
+    monkeypatch.setattr(recl, "classified_as_labelled", lambda model, x, y: torch.arange(len(x)) % 2 == 0)
+    trained_on = []
+    real_train = recl.train_task
+    monkeypatch.setattr(recl, "train_task", lambda model, x, y, *a: trained_on.append(len(x)) or real_train(model, x, y, *a))
+    record = recl.run_continual(config(epochs=1, n_rec=2, m=4), tasks, "finetune", True, lambda *a: None)
+    (report,) = record["reconstructions"]
+    assert (report["candidates"], report["kept"]) == (8, 4)
+    assert trained_on == [len(tasks[0].x_train), len(tasks[1].x_train) + 4]
+
+
+def test_targets_are_the_weights_or_the_displacement_relative_to_its_size():
+    model = models.remember_start(models.MLP(4, 2, hidden=3))
+    start = {k: v.clone() for k, v in model.start.items()}
+    params = {k: v + 0.5 for k, v in start.items()}
+    target, scale = recl.reconstruction_target(params, start, "weights")
+    assert target is params and scale == 1.0
+    target, scale = recl.reconstruction_target(params, start, "displacement")
+    assert all(torch.allclose(target[k], torch.full_like(v, 0.5)) for k, v in start.items())
+    n = sum(v.numel() for v in start.values())
+    assert float(scale) == pytest.approx(1 / (0.25 * n))
 
 
 def test_candidate_labels_cover_old_classes_evenly():
@@ -302,7 +376,9 @@ def test_every_method_runs_with_and_without_recl(method, scenario):
 
 def test_recl_helps_finetune_remember_on_synthetic_cil():
     tasks = synthetic_tasks("cil", per_class=20)
-    cfg = config(scenario="cil", epochs=10, lr=0.05, n_rec=100, m=20)
+    # lr_x 1: on these 16-pixel blobs the MNIST default of 3 diverges (the run then
+    # falls back to the last finite candidates, which are no use)
+    cfg = config(scenario="cil", epochs=10, lr=0.05, n_rec=100, m=20, lr_x=1.0)
     quiet = lambda *a: None
     base = recl.run_continual(cfg, tasks, "finetune", False, quiet)
     with_recl = recl.run_continual(cfg, tasks, "finetune", True, quiet)
@@ -495,6 +571,19 @@ def test_runs_start_from_tuned_settings_unless_the_command_line_says_otherwise(t
     a, b = (json.loads((tmp_path / d / "mnist-cil-ewc-seed0.json").read_text())["config"] for d in "ab")
     assert (a["lr"], a["epochs"], a["hp"]) == (0.02, 1, {"ewc_lambda": 5.0})
     assert (b["lr"], b["epochs"], b["hp"]) == (0.03, 1, {"ewc_lambda": 9.0})
+
+
+def test_the_recl_variant_trains_with_its_own_settings(tmp_path, monkeypatch):
+    monkeypatch.setitem(strategies.TUNED, "cil", {"ewc": {"lr": 0.02, "epochs": 1, "ewc_lambda": 5.0}})
+    monkeypatch.setitem(strategies.TUNED_RECL, "cil", {"ewc": {"lr": 0.07, "epochs": 2}})
+    common = ["--method", "ewc", "--n-per-class", "5", "--n-rec", "2", "--quiet"]
+    recl.main(common + ["--out", str(tmp_path / "a")])
+    recl.main(common + ["--out", str(tmp_path / "b"), "--epochs", "1"])
+    config_of = lambda d, name: json.loads((tmp_path / d / f"mnist-cil-{name}-seed0.json").read_text())["config"]
+    base, with_recl = config_of("a", "ewc"), config_of("a", "ewc+recl")
+    assert (base["lr"], base["epochs"], base["hp"]) == (0.02, 1, {"ewc_lambda": 5.0})
+    assert (with_recl["lr"], with_recl["epochs"], with_recl["hp"]) == (0.07, 2, {"ewc_lambda": 5.0})
+    assert config_of("b", "ewc+recl")["epochs"] == 1  # the command line wins for both variants
 
 
 def run_all_dry(tmp_path, **knobs):
@@ -740,7 +829,7 @@ def test_unreadable_or_missing_pt_file_and_offline_download_are_explained(tmp_pa
 
 def test_cnn_runs_a_recl_task_and_gpm_projects_its_convolutions():
     tasks = synthetic_tasks("cil", n_tasks=2, shape=(3, 12, 12))
-    cfg = config(model="cnn", epochs=1, n_rec=3, m=2)
+    cfg = config(model="cnn", epochs=1, n_rec=3, m=2, filter=False)
     record = recl.run_continual(cfg, tasks, "gpm", True, lambda *a: None)
     assert record["reconstructions"][0]["kept"] == 4
     model = models.build_model("cnn", (3, 12, 12), 4)
@@ -757,7 +846,7 @@ def test_cnn_runs_a_recl_task_and_gpm_projects_its_convolutions():
 @pytest.mark.parametrize("name", ["alexnet", "resnet18"])
 def test_non_homogeneous_models_run_a_recl_task(name):
     tasks = synthetic_tasks("dil", n_tasks=2, shape=(3, 8, 8))
-    cfg = config(model=name, scenario="dil", epochs=1, n_rec=2, m=2, batch_size=8)
+    cfg = config(model=name, scenario="dil", epochs=1, n_rec=2, m=2, batch_size=8, filter=False)
     record = recl.run_continual(cfg, tasks, "ewc", True, lambda *a: None)
     assert record["reconstructions"][0]["kept"] == 4
     assert all(a is not None for a in record["acc_matrix"][1])
