@@ -74,19 +74,23 @@ TUNED = {
 # out of the weights, which works only once the network has fitted its tasks:
 # the light training that suits a forgetting method alone leaves too little to read.
 # Chosen from {the method's own, (0.05, 20), (0.1, 20)} (and (0.05, 40) for
-# Finetune in CIL) by validation ACC of the +ReCL variant, seeds 0-2; docs/levers.md.
+# Finetune in CIL) by validation ACC of the +ReCL variant, seeds 0-2, then for
+# the EWC and LwF variants a weaker pull towards the old model (their old
+# lambda against 10 or 100, and 0.5 or 1); docs/levers.md, section C.
 TUNED_RECL = {
     "cil": {
         "finetune": {"lr": 0.05, "epochs": 40},
-        "ewc": {"lr": 0.05, "epochs": 20},
+        "ewc": {"lr": 0.05, "epochs": 20, "ewc_lambda": 100.0},
         "er": {"lr": 0.1, "epochs": 20},
         "upgd": {"lr": 0.1, "epochs": 20},
         "agem": {"lr": 0.1, "epochs": 20},
         "lwf": {"lr": 0.1, "epochs": 20},
         "gpm": {"lr": 0.1, "epochs": 20},
     },
-    "dil": {  # EWC, LwF and GPM keep their own
+    "dil": {  # GPM keeps its own
         "finetune": {"lr": 0.05, "epochs": 20},
+        "ewc": {"lr": 0.05, "epochs": 20, "ewc_lambda": 100.0},
+        "lwf": {"lwf_lambda": 0.5},
         "er": {"lr": 0.05, "epochs": 20},
         "upgd": {"lr": 0.1, "epochs": 20},
         "agem": {"lr": 0.05, "epochs": 20},

@@ -575,14 +575,14 @@ def test_runs_start_from_tuned_settings_unless_the_command_line_says_otherwise(t
 
 def test_the_recl_variant_trains_with_its_own_settings(tmp_path, monkeypatch):
     monkeypatch.setitem(strategies.TUNED, "cil", {"ewc": {"lr": 0.02, "epochs": 1, "ewc_lambda": 5.0}})
-    monkeypatch.setitem(strategies.TUNED_RECL, "cil", {"ewc": {"lr": 0.07, "epochs": 2}})
+    monkeypatch.setitem(strategies.TUNED_RECL, "cil", {"ewc": {"lr": 0.07, "epochs": 2, "ewc_lambda": 50.0}})
     common = ["--method", "ewc", "--n-per-class", "5", "--n-rec", "2", "--quiet"]
     recl.main(common + ["--out", str(tmp_path / "a")])
     recl.main(common + ["--out", str(tmp_path / "b"), "--epochs", "1"])
     config_of = lambda d, name: json.loads((tmp_path / d / f"mnist-cil-{name}-seed0.json").read_text())["config"]
     base, with_recl = config_of("a", "ewc"), config_of("a", "ewc+recl")
     assert (base["lr"], base["epochs"], base["hp"]) == (0.02, 1, {"ewc_lambda": 5.0})
-    assert (with_recl["lr"], with_recl["epochs"], with_recl["hp"]) == (0.07, 2, {"ewc_lambda": 5.0})
+    assert (with_recl["lr"], with_recl["epochs"], with_recl["hp"]) == (0.07, 2, {"ewc_lambda": 50.0})
     assert config_of("b", "ewc+recl")["epochs"] == 1  # the command line wins for both variants
 
 
