@@ -598,7 +598,7 @@ def make_parser():
     p.add_argument("--variant", choices=["both", "base", "recl"], default="both",
                    help="the method alone, with ReCL, or both on the same seeds")
     p.add_argument("--dataset", default="mnist",
-                   help=f"one of {', '.join(data.DATASETS)}, or a .pt file (see README)")
+                   help=f"one of {', '.join(data.DATASETS)}, or a .pt file (see docs/running.md)")
     p.add_argument("--data-root", default="data", help="where mnist-full, cifar10, tinyimagenet live")
     p.add_argument("--classes-per-task", type=int, default=None,
                    help="default: 2 (20 for tinyimagenet, as in the paper)")

@@ -23,7 +23,7 @@ from torch.func import functional_call, grad, vmap
 # literature defaults a strategy's state starts from; SEARCH_GRID is what
 # `python recl.py --tune` tries on a validation split carved from the training
 # data (never the test set), together with TRAINING_GRID; TUNED holds what that
-# search chose, per scenario. See README "Hyperparameters" for how and when.
+# search chose, per scenario. See docs/running.md, "Hyperparameters" for how and when.
 HYPERPARAMETERS = {
     "finetune": {},
     "ewc": {"ewc_lambda": 100.0},                          # Kirkpatrick et al. 2017
@@ -46,7 +46,7 @@ SEARCH_GRID = {  # the ER buffer size is a memory budget, fixed like the paper's
 }
 DEFAULT_TRAINING = {"lr": 0.05, "epochs": 20}
 # Chosen by `TUNE=1 JOBS=2 bash run_all.sh` (10 random draws per method, seed 0,
-# ACC without ReCL on 20% of the training images held out; README "Hyperparameters").
+# ACC without ReCL on 20% of the training images held out; docs/running.md, "Hyperparameters").
 TUNED = {
     "cil": {
         "finetune": {"lr": 0.01, "epochs": 10},
@@ -70,7 +70,7 @@ TUNED = {
 
 
 # The +ReCL variant's own training budget, where its validation search chose
-# another than the method's (README "Hyperparameters"). ReCL reads the old data
+# another than the method's (docs/running.md, "Hyperparameters"). ReCL reads the old data
 # out of the weights, which works only once the network has fitted its tasks:
 # the light training that suits a forgetting method alone leaves too little to read.
 # Chosen from {the method's own, (0.05, 20), (0.1, 20)} (and (0.05, 40) for
