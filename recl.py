@@ -13,7 +13,9 @@ ReCL reads this equation backwards. Before each new task it optimises random
 candidates x_i and coefficients lambda_i until the equation holds for the
 current weights, which recovers look-alikes of the old training data from the
 model alone (Step 1, Sec. 4.1). It then trains on those reconstructions mixed
-with the new task's data (Step 2, Sec. 4.2). No stored data, no generator.
+with the new task's data (Step 2, Sec. 4.2). No stored real data, no
+generator. By default each class's reconstruction, once made, is kept for
+later tasks (part 1 says why, with the other choices made on validation data).
 
 This file has four parts:
     1. Reconstruction   (Eq. 3-6), how to judge it (SSIM, App. E) and tune it (Sec. 4.3)
