@@ -220,7 +220,7 @@ def reconstruct(model, labels, input_shape, cfg, log=print, earlier=None):
     frozen = torch.zeros(len(x), dtype=torch.bool)
     if earlier is not None:
         x, frozen = keep_earlier(x, labels.cpu(), *(v.cpu() for v in earlier))
-    frozen = frozen.to(device)
+    frozen = frozen.view(-1, *[1] * len(input_shape)).to(device)  # broadcasts over pixels
     x, lam = x.to(device).requires_grad_(), lam.to(device).requires_grad_()
     opt_x = torch.optim.SGD([x], lr=cfg.lr_x, momentum=0.9)
     opt_lam = torch.optim.SGD([lam], lr=cfg.lr_lambda, momentum=0.9)
@@ -239,7 +239,7 @@ def reconstruct(model, labels, input_shape, cfg, log=print, earlier=None):
         opt_x.zero_grad()
         opt_lam.zero_grad()
         loss.backward()
-        x.grad[frozen] = 0  # earlier reconstructions stay in the sum of Eq. 3 but do not move
+        x.grad.masked_fill_(frozen, 0)  # earlier reconstructions stay in Eq. 3's sum but do not move
         opt_x.step()
         opt_lam.step()
 

@@ -69,14 +69,12 @@ TUNED = {
 }
 
 
-# The +ReCL variant's own training budget, where its validation search chose
-# another than the method's (docs/running.md, "Hyperparameters"). ReCL reads the old data
-# out of the weights, which works only once the network has fitted its tasks:
-# the light training that suits a forgetting method alone leaves too little to read.
-# Chosen from {the method's own, (0.05, 20), (0.1, 20)} (and (0.05, 40) for
-# Finetune in CIL) by validation ACC of the +ReCL variant, seeds 0-2, then for
-# the EWC and LwF variants a weaker pull towards the old model (their old
-# lambda against 10 or 100, and 0.5 or 1); docs/levers.md, section C.
+# What the +ReCL variant changes in its method's settings. ReCL reads the old
+# data out of the weights, so it needs a network that has fitted its tasks; the
+# light training that suits a method alone leaves too little to read. Chosen by
+# validation ACC of the +ReCL variant (seeds 0-2) among lr/epochs {own, 0.05/20,
+# 0.1/20} (Finetune CIL also 0.05/40), then a weaker lambda for EWC and LwF
+# (docs/levers.md, section C).
 TUNED_RECL = {
     "cil": {
         "finetune": {"lr": 0.05, "epochs": 40},
