@@ -22,14 +22,16 @@ This file has four parts:
     2. Metrics          (Eq. 1-2: ACC and BWT from the accuracy matrix R[t, i])
     3. The continual-learning loop, into which strategies.py hooks, and the
        validation search that chose each method's hyperparameters
-    4. The command line
+    4. The command line, and the results files: staleness, tables, a chart
 """
 import argparse
 import itertools
 import json
 import math
 import os
+import shlex
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -226,6 +228,7 @@ def reconstruct(model, labels, input_shape, cfg, log=print, earlier=None):
     opt_lam = torch.optim.SGD([lam], lr=cfg.lr_lambda, momentum=0.9)
 
     last_finite = x.detach().clone()
+    report_every = max(1, cfg.n_rec // 4)  # a progress line at each quarter
     for step in range(cfg.n_rec):
         l_rec, l_lambda, l_prior = reconstruction_losses(net, params, target, scale, x, labels, lam, cfg.lambda_min)
         loss = l_rec + l_lambda + l_prior
@@ -242,6 +245,8 @@ def reconstruct(model, labels, input_shape, cfg, log=print, earlier=None):
         x.grad.masked_fill_(frozen, 0)  # earlier reconstructions stay in Eq. 3's sum but do not move
         opt_x.step()
         opt_lam.step()
+        if (step + 1) % report_every == 0 and step + 1 < cfg.n_rec:
+            log(f"    step {step + 1}/{cfg.n_rec}: loss {loss.item():.4g} ({time.time() - start:.1f}s)")
 
     x = x.detach()
     finite = torch.isfinite(x.flatten(1)).all(1)  # never hand NaNs to training
@@ -392,12 +397,16 @@ def accuracy(model, x, y, batch_size=1000):
 # 3. The continual-learning loop
 # =============================================================================
 
+class Diverged(Exception):
+    """Training produced a non-finite loss; the run's numbers would be meaningless."""
+
+
 def train_task(model, x, y, hooks, state, cfg):
     """Plain SGD on cross-entropy; the strategy's hooks add a loss term or edit gradients."""
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     batches = data.loader(x, y, cfg.batch_size, seed=cfg.seed)
-    for _ in range(cfg.epochs):
+    for epoch in range(cfg.epochs):
         total = 0.0
         for xb, yb in batches:
             logits = model(xb)
@@ -409,7 +418,10 @@ def train_task(model, x, y, hooks, state, cfg):
             if "after_backward" in hooks:
                 hooks["after_backward"](model, state)
             optimizer.step()
-            total += loss.item() * len(xb)
+            value = loss.item()
+            if not math.isfinite(value):  # nothing useful can follow: stop here and say where
+                raise Diverged(f"training loss {value} in epoch {epoch + 1}")
+            total += value * len(xb)
     return total / len(x)  # mean loss of the last epoch
 
 
@@ -513,7 +525,15 @@ def run_continual(cfg, tasks, method, use_recl, log=print, mean_image=None):
             x, y = torch.cat([x, x_rec]), torch.cat([y, y_rec])
         if cfg.scenario == "cil":
             models.grow_head(model, per_task * (t + 1))
-        loss = train_task(model, x, y, hooks, state, cfg)
+        try:
+            loss = train_task(model, x, y, hooks, state, cfg)
+        except Diverged as err:  # a record that says so, with no ACC or BWT to average
+            log(f"  [{name}] task {t + 1}: diverged, {err}")
+            return {"method": method, "recl": use_recl, "scenario": cfg.scenario,
+                    "dataset": dataset_name(cfg.dataset), "seed": cfg.seed, "acc_matrix": R,
+                    "ACC": None, "BWT": None, "diverged": f"{err} of task {t + 1}",
+                    "seconds": round(time.time() - start, 2), "reconstructions": reconstructions,
+                    "recon_quality": recon_quality}
         model.eval()  # strategies look at the trained model (fixed batch-norm statistics, no dropout)
         if "after_task" in hooks:
             hooks["after_task"](model, task, state)
@@ -558,10 +578,16 @@ def tune_method(cfg, log=print):
                                         "hp": {**cfg.hp, **own}})
         record = run_continual(run_cfg, tasks, cfg.method, use_recl, lambda *a: None, mean_image)
         trials.append({"settings": chosen, "val_ACC": record["ACC"], "val_BWT": record["BWT"],
-                       "seconds": record["seconds"]})
+                       "seconds": record["seconds"], **({"diverged": record["diverged"]} if "diverged" in record else {})})
+        outcome = (f"diverged ({record['diverged']})" if "diverged" in record
+                   else f"validation ACC {record['ACC']:.2f} BWT {record['BWT']:.2f}")
         log(f"  trial {number + 1}/{len(picks)}: " + " ".join(f"{k} {v:g}" for k, v in chosen.items())
-            + f" -> validation ACC {record['ACC']:.2f} BWT {record['BWT']:.2f} ({record['seconds']:.0f}s)")
-    return sorted(trials, key=lambda t: -t["val_ACC"])
+            + f" -> {outcome} ({record['seconds']:.0f}s)")
+    return sorted(trials, key=trial_score, reverse=True)  # a diverged trial is a failed one: last
+
+
+def trial_score(trial):
+    return -math.inf if trial["val_ACC"] is None else trial["val_ACC"]
 
 
 # =============================================================================
@@ -580,9 +606,24 @@ class UsageError(Exception):
     """Bad command-line input; printed as one line."""
 
 
+class RunFailed(Exception):
+    """A run finished without usable numbers (it diverged); printed as one line."""
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line instead of usage + message
         raise UsageError(message)
+
+
+class HelpWithDefaults(argparse.HelpFormatter):
+    """Add "(default: ...)" to a flag's help unless the help already says what happens without it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default is None or action.default is False or action.default == argparse.SUPPRESS \
+                or "default" in text or (action.nargs == 0 and action.default is not True):
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def method_hyperparameter(text):
@@ -594,56 +635,72 @@ def method_hyperparameter(text):
 
 
 def make_parser():
-    p = Parser(description="ReCL on SplitMNIST: a continual-learning method with and without ReCL.")
-    p.add_argument("--scenario", choices=["cil", "dil"], default="cil")
-    p.add_argument("--method", choices=METHODS, default="finetune")
+    p = Parser(description="Train a continual-learning method with and without ReCL (reconstruction of old "
+                           "data from the model) on a stream of tasks, and report ACC and BWT. "
+                           "Default: SplitMNIST from the shipped MNIST subset.",
+               formatter_class=HelpWithDefaults)
+    p.add_argument("--scenario", choices=["cil", "dil"], default="cil",
+                   help="class-incremental (a growing head) or domain-incremental (the same labels every task)")
+    p.add_argument("--method", choices=METHODS, default="finetune", help="the continual-learning method")
     p.add_argument("--variant", choices=["both", "base", "recl"], default="both",
                    help="the method alone, with ReCL, or both on the same seeds")
     p.add_argument("--dataset", default="mnist",
                    help=f"one of {', '.join(data.DATASETS)}, or a .pt file (see docs/running.md)")
     p.add_argument("--data-root", default="data", help="where mnist-full, cifar10, tinyimagenet live")
     p.add_argument("--classes-per-task", type=int, default=None,
-                   help="default: 2 (20 for tinyimagenet, as in the paper)")
-    p.add_argument("--model", choices=models.MODELS, default="mlp")
-    p.add_argument("--seeds", type=int, default=1, help="number of seeds")
+                   help="classes per task (default: 2; 20 for tinyimagenet, as in the paper)")
+    p.add_argument("--model", choices=models.MODELS, default="mlp",
+                   help="the paper's homogeneous MLP or CNN, or a non-homogeneous AlexNet/ResNet18")
+    p.add_argument("--seeds", type=int, default=1, help="number of seeds, each its own class order and init")
     p.add_argument("--seed", type=int, default=0, help="first seed")
     g = p.add_argument_group("training")
-    g.add_argument("--epochs", type=int, default=None, help="default: the method's (strategies.settings)")
-    g.add_argument("--lr", type=float, default=None, help="default: the method's (strategies.settings)")
-    g.add_argument("--batch-size", type=int, default=64)
+    g.add_argument("--epochs", type=int, default=None,
+                   help="epochs per task (default: the variant's tuned value, strategies.settings)")
+    g.add_argument("--lr", type=float, default=None,
+                   help="SGD learning rate (default: the variant's tuned value, strategies.settings)")
+    g.add_argument("--batch-size", type=int, default=64, help="training batch size")
     g.add_argument("--n-per-class", type=images_per_class, default=100,
                    help="training images per class, or 'all'")
     g.add_argument("--validation", action="store_true",
                    help="hold out 20%% of each task's training images and score on them instead of the test "
                         "set: for choosing settings")
     g = p.add_argument_group("reconstruction")
-    g.add_argument("--m", type=int, default=None, help="candidates per old class (default: n per class)")
-    g.add_argument("--n-rec", type=int, default=100, help="reconstruction steps")
-    g.add_argument("--sigma-x", type=float, default=1e-3, help="std of the initial candidates")
-    g.add_argument("--lr-x", type=float, default=None, help="default: 3 (displacement target), 1 (weights)")
+    g.add_argument("--m", type=int, default=None,
+                   help="candidates per old class (default: --n-per-class; in DIL per class and old task)")
+    g.add_argument("--n-rec", type=int, default=100, help="reconstruction steps before each task")
+    g.add_argument("--sigma-x", type=float, default=1e-3, help="std of the initial random candidates")
+    g.add_argument("--lr-x", type=float, default=None,
+                   help="step size for the candidates (default: 3 for the displacement target, 1 for weights)")
     g.add_argument("--rec-target", choices=["weights", "displacement"], default="displacement",
-                   help="fit theta - theta_0 (default) or theta, as Eq. 3 is written (see recl.py, part 1)")
+                   help="fit theta - theta_0 or theta itself, as Eq. 3 is written (see recl.py, part 1)")
     g.add_argument("--freeze-old", action=argparse.BooleanOptionalAction, default=True,
                    help="classes reconstructed before keep those candidates, fixed; only the classes "
                         "of the task just learned start from noise (--no-freeze-old: all, as in the paper)")
     g.add_argument("--filter", action=argparse.BooleanOptionalAction, default=True,
                    help="train only on candidates the model classifies as their label")
-    g.add_argument("--lr-lambda", type=float, default=0.1)
-    g.add_argument("--lambda-min", type=float, default=0.05)
+    g.add_argument("--lr-lambda", type=float, default=0.1, help="step size for the coefficients lambda_i")
+    g.add_argument("--lambda-min", type=float, default=0.05, help="Eq. 4 pushes each lambda_i above this")
     g.add_argument("--alpha", type=float, default=100.0, help="sharpness of the smooth ReLU backward")
     g.add_argument("--tuning", choices=["naive", "unsup", "sup"], default="naive",
-                   help="reconstruction hyperparameters: defaults, or random search per task (Sec. 4.3)")
+                   help="reconstruction hyperparameters: fixed, or a random search per task scored by the "
+                        "final loss (unsup) or by SSIM to a few stored real images (sup) (Sec. 4.3)")
     g.add_argument("--trials", type=int, default=10, help="random-search trials (per task for --tuning)")
     g.add_argument("--save-images", action="store_true", help="PNG grid of reconstructions per task")
     p.add_argument("--hp", type=method_hyperparameter, action="append", default=[], metavar="KEY=VALUE",
-                   help="a method hyperparameter, e.g. --hp ewc_lambda=1000 (see strategies.HYPERPARAMETERS)")
+                   help="a method hyperparameter, e.g. --hp ewc_lambda=1000 (default: the tuned values; "
+                        "see strategies.HYPERPARAMETERS)")
     p.add_argument("--tune", action="store_true",
                    help="search the method's lr, epochs and hyperparameters on validation data and exit "
                         "(with ReCL if --variant recl)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: CUDA when a GPU is present")
     p.add_argument("--out", default="results", help="folder for one JSON file per run")
-    p.add_argument("--quiet", action="store_true", help="no per-task progress")
-    p.add_argument("--aggregate", metavar="DIR", help="print the results table of the runs in DIR and exit")
+    p.add_argument("--quiet", action="store_true", help="print only one line per finished run")
+    p.add_argument("--aggregate", metavar="DIR",
+                   help="print the results table of the runs in DIR, write DIR/chart-DATASET.svg, and exit")
+    p.add_argument("--pending", action="store_true",
+                   help="read recl.py command lines on stdin and print those whose result is missing or stale "
+                        "(run_all.sh uses this), then exit")
     return p
 
 
@@ -681,13 +738,40 @@ def check_args(cfg):
         raise UsageError("--device cuda was asked for but no CUDA device is available")
 
 
-def with_method_settings(cfg, use_recl):
-    """A copy of cfg with what the command line left open filled in from the method's
-    settings (strategies.settings), which differ for the method and its +ReCL variant."""
+def resolve_defaults(cfg):
+    """Fill in what depends on other flags or on the machine (after check_args)."""
+    if cfg.device == "auto":
+        cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg.m = cfg.m or cfg.n_per_class or 100
+    cfg.lr_x = cfg.lr_x or DEFAULT_LR_X[cfg.rec_target]
+    cfg.classes_per_task = cfg.classes_per_task or (20 if cfg.dataset == "tinyimagenet" else 2)
+    return cfg
+
+
+def run_config(cfg, seed, use_recl):
+    """The settings one run uses, as its JSON records them: what the command line left open
+    filled in from the method's settings (strategies.settings), which differ for the method
+    and its +ReCL variant."""
     chosen = strategies.settings(cfg.method, cfg.scenario, use_recl)
-    return argparse.Namespace(**{**vars(cfg), "lr": chosen["lr"] if cfg.lr is None else cfg.lr,
+    return argparse.Namespace(**{**vars(cfg), "seed": seed, "lr": chosen["lr"] if cfg.lr is None else cfg.lr,
                                  "epochs": chosen["epochs"] if cfg.epochs is None else cfg.epochs,
                                  "hp": {**{k: chosen[k] for k in strategies.HYPERPARAMETERS[cfg.method]}, **cfg.hp}})
+
+
+def provenance():
+    """What made a result, beyond its config: code version, library, machine."""
+    try:
+        here = Path(__file__).resolve().parent
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
+                                text=True, timeout=10).stdout.strip() or None
+        dirty = bool(commit) and bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                                     cwd=here, capture_output=True, text=True,
+                                                     timeout=10).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = None, False
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"commit": commit, "uncommitted_changes": dirty, "torch": torch.__version__, "device": device,
+            "threads": torch.get_num_threads(), "python": sys.version.split()[0]}
 
 
 def dataset_name(dataset):
@@ -700,6 +784,11 @@ def result_path(out, cfg, method, use_recl, seed):
     return Path(out) / f"{dataset_name(cfg.dataset)}-{cfg.scenario}-{method}{variant}{split}-seed{seed}.json"
 
 
+def tuning_path(cfg):
+    name = cfg.method + ("+recl" if cfg.variant == "recl" else "")
+    return Path(cfg.out) / f"{dataset_name(cfg.dataset)}-{cfg.scenario}-{name}-tuning-seed{cfg.seed}.json"
+
+
 def write_json_atomically(path, record):
     """Write to a temporary name, then rename: a killed run never leaves half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -707,6 +796,70 @@ def write_json_atomically(path, record):
     tmp.write_text(json.dumps(record, indent=1))
     os.replace(tmp, path)
 
+
+# -----------------------------------------------------------------------------
+# 4b. Is a finished run still what would run now? (for run_all.sh and tables)
+# -----------------------------------------------------------------------------
+# A result counts only if its recorded config equals what the same command would
+# use today, so a change of a default (or of strategies.TUNED) reruns the runs it
+# affects instead of mixing old and new settings in one table. Flags that do not
+# change the numbers are left out of the comparison; so is the machine (CPU and
+# GPU give the same results up to seed noise, and the JSON's "provenance" says
+# which made it). A change of code without a change of settings is not detected:
+# the provenance's commit records it.
+
+NOT_SETTINGS = {"device", "out", "quiet", "seeds", "variant", "data_root", "aggregate", "pending", "save_images",
+                "tune"}
+
+
+def settings_of(config):
+    """The part of a run's config that decides its numbers, JSON-normalised."""
+    return json.loads(json.dumps({k: v for k, v in config.items() if k not in NOT_SETTINGS}))
+
+
+def differences(old, new):
+    keys = sorted(set(old) | set(new), key=str)
+    return ", ".join(f"{k} {old.get(k, 'unset')} -> {new.get(k, 'unset')}" for k in keys if old.get(k) != new.get(k))
+
+
+def pending_runs(lines, report=print):
+    """The command lines (each `... recl.py ARGS`, one run) whose result is missing or stale."""
+    todo = []
+    for line in lines:
+        words = shlex.split(line)
+        if not any(w.endswith("recl.py") for w in words):
+            continue
+        args = words[next(i for i, w in enumerate(words) if w.endswith("recl.py")) + 1:]
+        try:
+            cfg = make_parser().parse_args(args)
+            check_args(cfg)
+        except UsageError:  # let the run itself say what is wrong
+            todo.append(line)
+            continue
+        cfg = resolve_defaults(cfg)
+        if cfg.tune:
+            if not tuning_path(cfg).exists():
+                todo.append(line)
+            continue
+        use_recl = cfg.variant == "recl"
+        path = result_path(cfg.out, cfg, cfg.method, use_recl, cfg.seed)
+        if not path.exists():
+            todo.append(line)
+            continue
+        try:
+            recorded = settings_of(json.loads(path.read_text()).get("config", {}))
+        except (OSError, ValueError):
+            recorded = {}
+        wanted = settings_of(vars(run_config(cfg, cfg.seed, use_recl)))
+        if recorded != wanted:
+            report(f"stale: {path} ({differences(recorded, wanted) or 'no settings recorded'})")
+            todo.append(line)
+    return todo
+
+
+# -----------------------------------------------------------------------------
+# 4c. Tables and a chart from the results files
+# -----------------------------------------------------------------------------
 
 def mean_std(values):
     return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
@@ -718,13 +871,17 @@ def run_name(record):
 
 
 def summary_table(records):
-    """Markdown: one row per method variant, mean(std) over seeds as in the paper's tables."""
+    """Markdown: one row per method variant, mean(std) over seeds as in the paper's tables.
+    Diverged runs are listed under the table and never averaged."""
     rows = ["| method | seeds | ACC | BWT | seconds |", "|---|---|---|---|---|"]
-    for name in dict.fromkeys(run_name(r) for r in records):
-        runs = [r for r in records if run_name(r) == name]
+    finished = [r for r in records if not r.get("diverged")]
+    for name in dict.fromkeys(run_name(r) for r in finished):
+        runs = [r for r in finished if run_name(r) == name]
         acc, bwt = ("{:.2f} ({:.2f})".format(*mean_std([r[key] for r in runs])) for key in ("ACC", "BWT"))
         seconds = statistics.mean(r["seconds"] for r in runs)
         rows.append(f"| {name} | {len(runs)} | {acc} | {bwt} | {seconds:.1f} |")
+    rows += [f"\nDiverged, not averaged: {run_name(r)} seed {r['seed']} ({r['diverged']})"
+             for r in records if r.get("diverged")]
     return "\n".join(rows)
 
 
@@ -733,15 +890,92 @@ def tuning_table(searches):
     rows = ["| dataset | scenario | method | chosen (validation) | val ACC | trials |", "|---|---|---|---|---|---|"]
     order = {m: i for i, m in enumerate(METHODS)}
     for r in sorted(searches, key=lambda r: (r["dataset"], r["scenario"], order.get(r["method"], len(order)))):
-        best = max(r["trials"], key=lambda t: t["val_ACC"])
+        best = max(r["trials"], key=trial_score)
         chosen = ", ".join(f"{k} {v:g}" for k, v in best["settings"].items())
-        rows.append(f"| {r['dataset']} | {r['scenario']} | {r['method']} | {chosen} | {best['val_ACC']:.2f} "
-                    f"| {len(r['trials'])} |")
+        score = "all diverged" if best["val_ACC"] is None else f"{best['val_ACC']:.2f}"
+        rows.append(f"| {r['dataset']} | {r['scenario']} | {r['method']} | {chosen} | {score} | {len(r['trials'])} |")
     return "\n".join(rows)
 
 
+def mixed_settings(records):
+    """Warnings for table rows whose seeds were run with different settings."""
+    warnings, groups = [], {}
+    for r in records:
+        if "config" in r:
+            groups.setdefault((r["dataset"], r["scenario"], run_name(r)), []).append(r)
+    for (dataset, scenario, name), runs in groups.items():
+        seen = [settings_of({k: v for k, v in r["config"].items() if k != "seed"}) for r in runs]
+        if any(s != seen[0] for s in seen):
+            other = next(s for s in seen if s != seen[0])
+            warnings.append(f"warning: {dataset} {scenario} {name} mixes runs made with different settings "
+                            f"({differences(seen[0], other)}); rerun them with run_all.sh")
+    return warnings
+
+
+# The paper's ACC for SplitMNIST (Tables 1 and 2), marked on the chart.
+PAPER_ACC = {
+    "cil": {"finetune": (50.34, 73.18), "ewc": (40.67, 68.13), "er": (68.59, 71.94), "upgd": (29.10, 70.10),
+            "agem": (37.03, 63.31), "lwf": (50.56, 57.15), "gpm": (18.48, 39.25)},
+    "dil": {"finetune": (82.23, 83.80), "ewc": (82.91, 84.48), "er": (84.00, 85.44), "upgd": (83.19, 82.95),
+            "agem": (83.46, 84.00), "lwf": (83.62, 84.67), "gpm": (73.48, 75.29)},
+}
+
+
+def chart_svg(records, dataset):
+    """An SVG bar chart, written by hand: mean ACC per method without (grey) and with ReCL
+    (blue), one panel per scenario, whiskers of one std, and the paper's value as a black tick."""
+    from xml.sax.saxutils import escape
+    finished = [r for r in records if not r.get("diverged") and r["dataset"] == dataset
+                and r.get("config", {}).get("tuning", "naive") == "naive"]
+    scenarios = [s for s in ("cil", "dil") if any(r["scenario"] == s for r in finished)]
+    order = {m: i for i, m in enumerate(METHODS)}
+    panel_w, top, plot_h, bar_w = 430, 50, 240, 18
+    y = lambda acc: top + plot_h * (1 - acc / 100)
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{panel_w * len(scenarios) + 20}" height="{top + plot_h + 80}"'
+             ' font-family="sans-serif" font-size="11">',
+             f'<text x="10" y="18" font-size="14">{escape(dataset)}: mean ACC over seeds, without and with ReCL</text>',
+             '<rect x="10" y="28" width="10" height="10" fill="#9e9e9e"/><text x="24" y="37">method</text>',
+             '<rect x="80" y="28" width="10" height="10" fill="#1f77b4"/><text x="94" y="37">method+ReCL</text>',
+             '<line x1="180" y1="33" x2="194" y2="33" stroke="black" stroke-width="2"/>'
+             '<text x="198" y="37">paper</text><text x="240" y="37">whiskers: one std</text>']
+    for p, scenario in enumerate(scenarios):
+        x0 = 20 + 30 + p * panel_w
+        runs = [r for r in finished if r["scenario"] == scenario]
+        methods = sorted({r["method"] for r in runs}, key=lambda m: order.get(m, len(order)))
+        group_w = (panel_w - 50) / max(1, len(methods))
+        parts.append(f'<text x="{x0}" y="{top - 4}" font-weight="bold">{scenario.upper()}</text>')
+        for tick in range(0, 101, 20):
+            parts.append(f'<line x1="{x0 - 4}" y1="{y(tick):.1f}" x2="{x0 + panel_w - 50}" y2="{y(tick):.1f}" '
+                         f'stroke="#ddd"/><text x="{x0 - 8}" y="{y(tick) + 4:.1f}" text-anchor="end">{tick}</text>')
+        for i, method in enumerate(methods):
+            gx = x0 + i * group_w + (group_w - 2 * bar_w) / 2
+            for v, use_recl in enumerate((False, True)):
+                accs = [r["ACC"] for r in runs if r["method"] == method and r["recl"] == use_recl]
+                bx = gx + v * bar_w
+                paper = PAPER_ACC.get(scenario, {}).get(method) if dataset == "mnist" else None
+                if paper:
+                    parts.append(f'<line class="paper" x1="{bx:.1f}" y1="{y(paper[v]):.1f}" x2="{bx + bar_w - 2:.1f}" '
+                                 f'y2="{y(paper[v]):.1f}" stroke="black" stroke-width="2"/>')
+                if not accs:
+                    continue
+                mean, std = mean_std(accs)
+                name = method + ("+recl" if use_recl else "")
+                parts.append(f'<rect class="bar" data-method="{name}" data-scenario="{scenario}" x="{bx:.1f}" '
+                             f'y="{y(mean):.1f}" width="{bar_w - 2}" height="{y(0) - y(mean):.1f}" '
+                             f'fill="{"#1f77b4" if use_recl else "#9e9e9e"}"><title>{name} {scenario.upper()}: '
+                             f'{mean:.2f} ({std:.2f}), {len(accs)} seeds</title></rect>')
+                cx = bx + (bar_w - 2) / 2
+                parts.append(f'<line x1="{cx:.1f}" y1="{y(min(100, mean + std)):.1f}" x2="{cx:.1f}" '
+                             f'y2="{y(max(0, mean - std)):.1f}" stroke="#333"/>')
+            parts.append(f'<text x="{gx + bar_w:.1f}" y="{top + plot_h + 16}" text-anchor="middle">'
+                         f'{escape(method)}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"
+
+
 def aggregate(folder):
-    """One table per (dataset, scenario) from every finished run's JSON in `folder`."""
+    """One table per (dataset, scenario) from every finished run's JSON in `folder`,
+    and a chart per dataset, DIR/chart-DATASET.svg."""
     records = []
     for path in sorted(Path(folder).glob("*.json")):  # temporary files start with "." and are skipped
         try:
@@ -753,12 +987,20 @@ def aggregate(folder):
     searches = [r for r in records if "trials" in r]  # --tune results
     if searches:
         return tuning_table(searches)
+    for warning in mixed_settings(records):
+        print(warning, file=sys.stderr)
     order = {m: i for i, m in enumerate(METHODS)}
     records.sort(key=lambda r: (order.get(r["method"], len(order)), r["recl"], r["seed"]))
     tables = []
     for dataset, scenario in sorted({(r["dataset"], r["scenario"]) for r in records}):
         chosen = [r for r in records if (r["dataset"], r["scenario"]) == (dataset, scenario)]
         tables.append(f"### {dataset}, {scenario.upper()}\n\n{summary_table(chosen)}\n")
+    for dataset in sorted({r["dataset"] for r in records}):
+        path = Path(folder) / f"chart-{dataset}.svg"
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(chart_svg(records, dataset))
+        os.replace(tmp, path)
+        print(f"chart: {path}", file=sys.stderr)
     return "\n".join(tables)
 
 
@@ -766,10 +1008,13 @@ def tune_and_report(cfg, log):
     """--tune: run the validation search, save every trial, print the winner."""
     trials = tune_method(cfg, log)
     name = cfg.method + ("+recl" if cfg.variant == "recl" else "")
-    path = Path(cfg.out) / f"{dataset_name(cfg.dataset)}-{cfg.scenario}-{name}-tuning-seed{cfg.seed}.json"
+    path = tuning_path(cfg)
     write_json_atomically(path, {"method": name, "scenario": cfg.scenario, "dataset": dataset_name(cfg.dataset),
-                                 "seed": cfg.seed, "trials": trials, "config": vars(cfg)})
+                                 "seed": cfg.seed, "trials": trials, "config": vars(cfg),
+                                 "provenance": provenance()})
     best = trials[0]
+    if best["val_ACC"] is None:
+        raise RunFailed(f"{name} {cfg.scenario}: every trial diverged ({path})")
     print(f"{name} {cfg.scenario}: best validation ACC {best['val_ACC']:.2f} with {best['settings']} -> {path}")
 
 
@@ -778,41 +1023,46 @@ def main(argv=None):
     if cfg.aggregate:
         print(aggregate(cfg.aggregate))
         return
+    if cfg.pending:
+        print("\n".join(pending_runs(sys.stdin.read().splitlines(), lambda m: print(m, file=sys.stderr))))
+        return
     check_args(cfg)
-    if cfg.device == "auto":
-        cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
-    cfg.m = cfg.m or cfg.n_per_class or 100
-    cfg.lr_x = cfg.lr_x or DEFAULT_LR_X[cfg.rec_target]
-    cfg.classes_per_task = cfg.classes_per_task or (20 if cfg.dataset == "tinyimagenet" else 2)
+    cfg = resolve_defaults(cfg)
     log = (lambda *a: None) if cfg.quiet else (lambda *a: print(*a, flush=True))
     if cfg.tune:
         return tune_and_report(cfg, log)
     variants = {"both": [False, True], "base": [False], "recl": [True]}[cfg.variant]
-    records = []
+    records, failed = [], []
     for seed in range(cfg.seed, cfg.seed + cfg.seeds):
         tasks, class_order, mean_image = data.make_tasks(cfg.dataset, seed, cfg.n_per_class, cfg.scenario,
                                                          cfg.classes_per_task, cfg.data_root)
         if cfg.validation:
             tasks = data.validation_split(tasks, 0.2, seed)
         for use_recl in variants:
-            run_cfg = argparse.Namespace(**{**vars(with_method_settings(cfg, use_recl)), "seed": seed})
+            run_cfg = run_config(cfg, seed, use_recl)
             name = cfg.method + ("+recl" if use_recl else "")
             log(f"{name} | {cfg.scenario} | {cfg.dataset} | seed {seed} | class order {class_order}")
             record = run_continual(run_cfg, tasks, cfg.method, use_recl, log, mean_image)
-            record.update(class_order=class_order, config=vars(run_cfg))
+            record.update(class_order=class_order, config=vars(run_cfg), provenance=provenance())
             path = result_path(cfg.out, cfg, cfg.method, use_recl, seed)
             write_json_atomically(path, record)
+            if record.get("diverged"):
+                failed.append(f"{name} {cfg.scenario} seed {seed} diverged: {record['diverged']} "
+                              f"(lr {run_cfg.lr:g}); marked so in {path}, never averaged")
+                continue
             print(f"{name} {cfg.scenario} seed {seed}: ACC {record['ACC']:.2f} BWT {record['BWT']:.2f} "
                   f"in {record['seconds']:.0f}s -> {path}", flush=True)
             records.append(record)
-    if not cfg.quiet:
+    if records and not cfg.quiet:
         print(summary_table(records))
+    if failed:
+        raise RunFailed("; ".join(failed))
 
 
 if __name__ == "__main__":
     try:
         main()
-    except (UsageError, data.DataError) as err:
+    except (UsageError, RunFailed, data.DataError) as err:
         sys.exit(f"recl.py: error: {err}")
     except KeyboardInterrupt:
         sys.exit("recl.py: interrupted; finished runs are saved, rerun to redo the rest")

@@ -4,6 +4,7 @@
 #
 #   bash run_all.sh                      # everything, 5 seeds
 #   QUICK=1 bash run_all.sh              # 1 seed, few epochs and steps: minutes
+#                                        # (SEEDS=3 QUICK=1, QUICK=1 ... --epochs 10: yours win)
 #   JOBS=2 METHODS="finetune gpm" bash run_all.sh --epochs 30   # args pass through
 #   TUNE=1 JOBS=2 bash run_all.sh        # the validation search behind strategies.TUNED
 #   SWEEP="m 10 25 50 75 125" METHODS=finetune bash run_all.sh   # a sensitivity study:
@@ -11,6 +12,8 @@
 #
 # Resumable: each run writes its own JSON atomically, and a run whose JSON
 # exists is skipped, so an interrupted run_all.sh loses at most the runs in flight.
+# Unless it is stale: a result whose recorded settings differ from what its
+# command would use now (say, after a default changed) is named and rerun.
 # Without RESULTS=..., QUICK=1 and extra arguments choose their own folder.
 # Datasets that cannot be loaded (say, CIFAR10 on a machine without internet)
 # are skipped with one line saying why.
@@ -21,6 +24,7 @@ cd "$(dirname "$0")"
 DATASETS=${DATASETS:-mnist}
 SCENARIOS=${SCENARIOS:-cil dil}
 METHODS=${METHODS:-finetune ewc er upgd agem lwf gpm}
+SEEDS_GIVEN=${SEEDS:-}
 SEEDS=${SEEDS:-5}
 JOBS=${JOBS:-1}
 TUNE=${TUNE:-0}
@@ -31,9 +35,9 @@ EXTRA=("$@")
 # results/epochs_30, ...), so a finished run is never mistaken for one made
 # with different settings and skipped.
 SETTINGS=$(printf '%s ' "$@" | sed -E 's/(^| )--/\1/g; s/[^A-Za-z0-9.=-]+/_/g; s/_$//')
-if [ "${QUICK:-0}" = 1 ]; then
-  SEEDS=1
-  EXTRA=(--epochs 5 --n-rec 20 "${EXTRA[@]}")
+if [ "${QUICK:-0}" = 1 ]; then  # presets; a knob or flag given explicitly wins over them
+  SEEDS=${SEEDS_GIVEN:-1}
+  EXTRA=(--epochs 5 --n-rec 20 ${EXTRA[@]+"${EXTRA[@]}"})  # later flags win in recl.py
   SETTINGS=quick${SETTINGS:+_$SETTINGS}
 fi
 DEFAULT_RESULTS=results
@@ -53,7 +57,7 @@ folders() {  # "folder extra-flag value" per sweep point; just RESULTS without a
 # Share the cores between parallel runs instead of oversubscribing them.
 export OMP_NUM_THREADS=$(( $(nproc) / JOBS > 0 ? $(nproc) / JOBS : 1 ))
 
-pending() {  # one shell command per run that has no result yet
+every_run() {  # one shell command per run, finished or not
   for dataset in $DATASETS; do
     if ! reason=$("$PYTHON" -c 'import sys, data
 try: data.load(sys.argv[1], sys.argv[2])
@@ -64,7 +68,6 @@ except data.DataError as err: sys.exit(str(err))' "$dataset" "$DATA_ROOT" 2>&1);
     for scenario in $SCENARIOS; do
       for method in $METHODS; do
         if [ "$TUNE" = 1 ]; then  # one validation search per method, on seed 0
-          [ -f "$RESULTS/$dataset-$scenario-$method-tuning-seed0.json" ] && continue
           printf '%q ' "$PYTHON" recl.py --tune --dataset "$dataset" --scenario "$scenario" \
             --method "$method" --seed 0 --out "$RESULTS" --quiet --data-root "$DATA_ROOT" \
             ${EXTRA[@]+"${EXTRA[@]}"}
@@ -74,8 +77,6 @@ except data.DataError as err: sys.exit(str(err))' "$dataset" "$DATA_ROOT" 2>&1);
         while read -r out point; do
           for variant in base recl; do
             for ((seed = 0; seed < SEEDS; seed++)); do
-              suffix=""; [ "$variant" = recl ] && suffix="+recl"
-              [ -f "$out/$dataset-$scenario-$method$suffix-seed$seed.json" ] && continue
               printf '%q ' "$PYTHON" recl.py --dataset "$dataset" --scenario "$scenario" \
                 --method "$method" --variant "$variant" --seed "$seed" --out "$out" --quiet \
                 --data-root "$DATA_ROOT" ${point:+$point} \
@@ -89,7 +90,9 @@ except data.DataError as err: sys.exit(str(err))' "$dataset" "$DATA_ROOT" 2>&1);
   done
 }
 
-todo=$(pending)
+# recl.py --pending keeps the runs without a result and those whose result was
+# made with other settings than the command would use now (stale; it names them).
+todo=$(every_run | "$PYTHON" recl.py --pending)
 count=$(printf '%s' "$todo" | grep -c . || true)
 echo "run_all: $count runs to do in $RESULTS/ with $JOBS job(s)"
 if [ "${DRY_RUN:-0}" = 1 ]; then

@@ -180,6 +180,18 @@ def test_earlier_reconstructions_stay_fixed_and_new_classes_start_from_noise():
     assert (moved[free] > 10 * cfg.sigma_x).all(), moved
 
 
+def test_reconstruction_prints_progress_at_each_quarter():
+    torch.manual_seed(0)
+    model = models.remember_start(models.MLP(16, 2, hidden=8))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    lines = []
+    recl.reconstruct(model, torch.tensor([0, 1]), (16,), config(n_rec=8), lines.append)
+    assert [l.split(":")[0].strip() for l in lines] == ["step 2/8", "step 4/8", "step 6/8"]
+    assert all("loss" in l and l.rstrip().endswith("s)") for l in lines)
+
+
 def test_run_continual_passes_each_reconstruction_on_to_the_next(monkeypatch):
     tasks = synthetic_tasks("cil", n_tasks=3)
     seen, real_reconstruct = [], recl.reconstruct
@@ -470,6 +482,7 @@ def test_main_writes_one_json_per_run(tmp_path, capsys):
                 "ACC", "BWT", "seconds", "config"):
         assert key in record
     assert record["recl"] is True and record["config"]["n_rec"] == 2
+    assert record["provenance"]["torch"] == torch.__version__ and record["provenance"]["threads"] >= 1
     assert "finetune+recl cil seed 0: ACC" in capsys.readouterr().out
 
 
@@ -500,18 +513,131 @@ def test_write_json_atomically_leaves_no_temporary_file(tmp_path):
     assert [p.name for p in path.parent.iterdir()] == ["run.json"]
 
 
-def test_run_all_skips_runs_that_already_have_results(tmp_path):
-    recl.write_json_atomically(tmp_path / "mnist-cil-finetune-seed0.json", fake_record("finetune", False, 0, 1, 1))
+def config_a_run_records(args):
+    """The config `python recl.py ARGS` (one seed, one variant) would write into its JSON."""
+    cfg = recl.make_parser().parse_args(args)
+    recl.check_args(cfg)
+    cfg = recl.resolve_defaults(cfg)
+    return vars(recl.run_config(cfg, cfg.seed, cfg.variant == "recl"))
+
+
+def test_run_all_skips_finished_runs_and_reruns_stale_ones(tmp_path):
+    common = ["--dataset", "mnist", "--scenario", "cil", "--method", "finetune", "--out", str(tmp_path), "--epochs", "3"]
+    done = {**fake_record("finetune", False, 0, 1, 1),
+            "config": config_a_run_records(common + ["--variant", "base", "--seed", "0"])}
+    recl.write_json_atomically(tmp_path / "mnist-cil-finetune-seed0.json", done)
+    stale = {**fake_record("finetune", True, 1, 1, 1),  # made before a default changed
+             "config": {**config_a_run_records(common + ["--variant", "recl", "--seed", "1"]), "n_rec": 50}}
+    recl.write_json_atomically(tmp_path / "mnist-cil-finetune+recl-seed1.json", stale)
     env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "DRY_RUN": "1", "DATA_ROOT": str(tmp_path), "SEEDS": "2", "METHODS": "finetune gpm",
            "SCENARIOS": "cil", "RESULTS": str(tmp_path), "DATASETS": "mnist cifar10"}
     result = subprocess.run(["bash", str(HERE / "run_all.sh"), "--epochs", "3"],
                             capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
     runs = [line for line in result.stdout.splitlines() if "recl.py" in line]
-    assert len(runs) == 7  # 2 methods x 2 variants x 2 seeds, less the finished one
+    assert len(runs) == 7  # 2 methods x 2 variants x 2 seeds, less the finished one; the stale one is redone
     assert not any("--method finetune --variant base --seed 0" in r for r in runs)
+    assert any("--method finetune --variant recl --seed 1" in r for r in runs)
+    assert "stale:" in result.stderr and "mnist-cil-finetune+recl-seed1.json (n_rec 50 -> 100)" in result.stderr
     assert all(r.rstrip().endswith("--epochs 3") for r in runs)
     assert "skipping cifar10: CIFAR10 is not under" in result.stderr
+
+
+def test_a_changed_tuned_setting_makes_a_result_stale(tmp_path, monkeypatch):
+    args = ["--method", "ewc", "--variant", "base", "--seed", "0", "--out", str(tmp_path)]
+    recl.write_json_atomically(tmp_path / "mnist-cil-ewc-seed0.json", {"config": config_a_run_records(args)})
+    line = "python recl.py " + " ".join(args)
+    assert recl.pending_runs([line]) == []
+    monkeypatch.setitem(strategies.TUNED, "cil", {"ewc": {"lr": 0.5, "epochs": 20, "ewc_lambda": 1000.0}})
+    said = []
+    assert recl.pending_runs([line], said.append) == [line]
+    assert "lr 0.01 -> 0.5" in said[0]
+
+
+def test_aggregate_warns_when_one_row_mixes_settings(tmp_path, capsys):
+    for seed, n_rec in enumerate([100, 100, 30]):
+        record = {**fake_record("finetune", True, seed, 70, -20), "config": {"seed": seed, "n_rec": n_rec, "out": "x"}}
+        recl.write_json_atomically(tmp_path / f"r{seed}.json", record)
+    recl.aggregate(tmp_path)
+    assert "mnist cil finetune+recl mixes runs made with different settings (n_rec 100 -> 30)" in capsys.readouterr().err
+    recl.write_json_atomically(tmp_path / "r2.json", {**fake_record("finetune", True, 2, 70, -20),
+                                                      "config": {"seed": 2, "n_rec": 100, "out": "elsewhere"}})
+    recl.aggregate(tmp_path)
+    assert "mixes" not in capsys.readouterr().err  # seed and output folder do not count
+
+
+def test_quick_presets_yield_to_explicit_knobs(tmp_path):
+    result, runs = run_all_dry(tmp_path, QUICK="1", SEEDS="3", METHODS="finetune", RESULTS=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert len(runs) == 6  # 3 seeds x 2 variants, not QUICK's one seed
+    quick_only, runs = run_all_dry(tmp_path, QUICK="1", METHODS="finetune", RESULTS=str(tmp_path))
+    assert len(runs) == 2
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "DRY_RUN": "1", "SCENARIOS": "cil", "QUICK": "1",
+           "METHODS": "finetune", "RESULTS": str(tmp_path)}
+    result = subprocess.run(["bash", str(HERE / "run_all.sh"), "--epochs", "9", "--n-rec", "7"],
+                            capture_output=True, text=True, env=env)
+    line = next(l for l in result.stdout.splitlines() if "recl.py" in l)
+    cfg = recl.make_parser().parse_args(line.split("recl.py")[1].split())
+    assert (cfg.epochs, cfg.n_rec) == (9, 7)  # the flags given win over QUICK's 5 and 20
+
+
+def test_aggregate_draws_a_well_formed_chart_with_one_bar_per_method_and_variant(tmp_path):
+    import xml.etree.ElementTree as ET
+    for scenario in ("cil", "dil"):
+        for method in ("finetune", "gpm"):
+            for use_recl, acc in ((False, 50.0), (True, 70.0)):
+                for seed in range(2):
+                    name = f"mnist-{scenario}-{method}{'+recl' if use_recl else ''}-seed{seed}.json"
+                    recl.write_json_atomically(tmp_path / name, fake_record(method, use_recl, seed, acc + seed, -10,
+                                                                            scenario))
+    recl.write_json_atomically(tmp_path / "d.json", {**fake_record("er", False, 0, None, None), "diverged": "nan"})
+    recl.aggregate(tmp_path)
+    root = ET.parse(tmp_path / "chart-mnist.svg").getroot()  # raises if not well-formed XML
+    ns = "{http://www.w3.org/2000/svg}"
+    bars = [r for r in root.iter(ns + "rect") if r.get("class") == "bar"]
+    assert sorted((b.get("data-scenario"), b.get("data-method")) for b in bars) == sorted(
+        (s, m + v) for s in ("cil", "dil") for m in ("finetune", "gpm") for v in ("", "+recl"))  # no bar for ER
+    heights = {(b.get("data-scenario"), b.get("data-method")): float(b.get("height")) for b in bars}
+    assert heights[("cil", "gpm+recl")] == pytest.approx(heights[("cil", "gpm")] * 70.5 / 50.5, rel=1e-2)
+    paper = [l for l in root.iter(ns + "line") if l.get("class") == "paper"]
+    assert len(paper) == 8  # the paper's value over each of the 8 bars
+
+
+# --- runs that go wrong -----------------------------------------------------------
+
+def test_a_diverged_run_says_so_exits_nonzero_and_is_never_averaged(tmp_path):
+    command = [sys.executable, str(HERE / "recl.py"), "--variant", "base", "--lr", "10000", "--epochs", "2",
+               "--n-per-class", "5", "--out", str(tmp_path), "--quiet"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=HERE)
+    assert result.returncode != 0
+    assert result.stderr.count("\n") == 1 and "diverged: training loss" in result.stderr
+    record = json.loads((tmp_path / "mnist-cil-finetune-seed0.json").read_text())
+    assert record["ACC"] is None and record["BWT"] is None and "of task" in record["diverged"]
+    recl.write_json_atomically(tmp_path / "mnist-cil-finetune-seed1.json", fake_record("finetune", False, 1, 60, -30))
+    table = recl.aggregate(tmp_path)
+    assert "| finetune | 1 | 60.00 (0.00) |" in table  # the diverged seed is not in the mean
+    assert "Diverged, not averaged: finetune seed 0 (training loss" in table
+
+
+def test_a_diverged_trial_counts_as_failed_in_the_search(tmp_path, monkeypatch):
+    monkeypatch.setattr(strategies, "TRAINING_GRID", {"lr": [10000.0, 0.01], "epochs": [2]})
+    recl.main(["--tune", "--method", "finetune", "--trials", "2", "--n-per-class", "10", "--out", str(tmp_path),
+               "--quiet"])
+    trials = json.loads((tmp_path / "mnist-cil-finetune-tuning-seed0.json").read_text())["trials"]
+    assert trials[0]["settings"]["lr"] == 0.01 and trials[0]["val_ACC"] > 0
+    assert trials[1]["val_ACC"] is None and trials[1]["diverged"].startswith("training loss")
+    assert "| mnist | cil | finetune | lr 0.01, epochs 2 |" in recl.aggregate(tmp_path)
+
+
+def test_help_gives_every_flag_a_meaning_and_its_default():
+    parser = recl.make_parser()
+    text = parser.format_help()
+    for action in parser._actions:
+        assert action.help, f"{action.option_strings} has no help"
+    for shown in ["--n-rec N_REC         reconstruction steps before each task (default: 100)",
+                  "(default: displacement)", "first seed (default: 0)", "(default: 0.001)"]:
+        assert shown in " ".join(text.split("\n")) or shown in text
+    assert "label (default: True)" in " ".join(text.split())
 
 
 def test_tuning_table_reports_the_best_validation_trial(tmp_path):
@@ -594,8 +720,9 @@ def run_all_dry(tmp_path, **knobs):
 
 def test_run_all_sweeps_a_flag_into_one_folder_per_value(tmp_path):
     (tmp_path / "m-25").mkdir()
+    finished = config_a_run_records(["--method", "finetune", "--variant", "recl", "--m", "25"])
     recl.write_json_atomically(tmp_path / "m-25" / "mnist-cil-finetune+recl-seed0.json",
-                               fake_record("finetune", True, 0, 1, 1))
+                               {**fake_record("finetune", True, 0, 1, 1), "config": finished})
     result, runs = run_all_dry(tmp_path, SWEEP="m 10 25", METHODS="finetune", SEEDS="1", RESULTS=str(tmp_path))
     assert result.returncode == 0, result.stderr
     assert len(runs) == 3  # 2 values x 2 variants, less the finished one
@@ -606,9 +733,12 @@ def test_run_all_sweeps_a_flag_into_one_folder_per_value(tmp_path):
 
 def test_run_all_keeps_runs_with_other_settings_apart(tmp_path):
     """A QUICK run or one with extra flags must not count as a finished default run."""
+    fake_python = tmp_path / "python"  # skips the dataset check and lists nothing: only the folder matters
+    fake_python.write_text('#!/bin/sh\n[ "$1" = recl.py ] && cat > /dev/null\nexit 0\n')
+    fake_python.chmod(0o755)
     def folder(*args, **knobs):
-        env = {"PATH": "/usr/bin:/bin", "PYTHON": "true", "DRY_RUN": "1", "SCENARIOS": "cil",
-               "METHODS": "finetune", "SEEDS": "1", **knobs}  # `true`: skip the dataset check, only list
+        env = {"PATH": "/usr/bin:/bin", "PYTHON": str(fake_python), "DRY_RUN": "1", "SCENARIOS": "cil",
+               "METHODS": "finetune", "SEEDS": "1", **knobs}
         result = subprocess.run(["bash", str(HERE / "run_all.sh"), *args], capture_output=True, text=True,
                                 env=env, cwd=tmp_path)
         assert result.returncode == 0, result.stderr
