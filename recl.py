@@ -503,6 +503,16 @@ def run_continual(cfg, tasks, method, use_recl, log=print, mean_image=None):
     name = method + ("+recl" if use_recl else "")
     R = [[None] * len(tasks) for _ in tasks]
     reconstructions, recon_quality, earlier = [], [], None
+    phases = dict.fromkeys(["reconstruct", "quality_report", "train", "evaluate"], 0.0)  # where the time goes
+    clock = time.time()
+
+    def lap(phase):  # charge the time since the last lap to `phase`
+        nonlocal clock
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        now = time.time()
+        phases[phase] += now - clock
+        clock = now
 
     for t, task in enumerate(tasks):
         task_start = time.time()
@@ -519,8 +529,10 @@ def run_continual(cfg, tasks, method, use_recl, log=print, mean_image=None):
             reconstructions.append({"task": t + 1, **report})
             log(f"  [{name}] task {t + 1}: reconstructed {report['kept']}/{report['candidates']} "
                 f"in {report['seconds']}s, loss {report['first_loss']:.4g} -> {report['last_loss']:.4g}")
+            lap("reconstruct")
             if len(x_rec):
                 recon_quality.append(report_reconstruction(name, tasks[:t], x_rec, cfg, mean_image, log))
+            lap("quality_report")
             # Step 2: train on reconstructions and new data together.
             x, y = torch.cat([x, x_rec]), torch.cat([y, y_rec])
         if cfg.scenario == "cil":
@@ -537,7 +549,9 @@ def run_continual(cfg, tasks, method, use_recl, log=print, mean_image=None):
         model.eval()  # strategies look at the trained model (fixed batch-norm statistics, no dropout)
         if "after_task" in hooks:
             hooks["after_task"](model, task, state)
+        lap("train")
         R[t][:t + 1] = [accuracy(model, old.x_test, old.y_test) for old in tasks[:t + 1]]
+        lap("evaluate")
         log(f"  [{name}] task {t + 1}/{len(tasks)} classes {task.classes}: loss {loss:.3f}, "
             f"acc {' '.join(f'{a:.1f}' for a in R[t][:t + 1])} ({time.time() - task_start:.1f}s)")
 
@@ -545,7 +559,7 @@ def run_continual(cfg, tasks, method, use_recl, log=print, mean_image=None):
     return {"method": method, "recl": use_recl, "scenario": cfg.scenario, "dataset": dataset_name(cfg.dataset),
             "seed": cfg.seed, "acc_matrix": R, "ACC": acc, "BWT": bwt,
             "seconds": round(time.time() - start, 2), "reconstructions": reconstructions,
-            "recon_quality": recon_quality}
+            "recon_quality": recon_quality, "phase_seconds": {k: round(v, 2) for k, v in phases.items()}}
 
 
 # -----------------------------------------------------------------------------
