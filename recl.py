@@ -943,21 +943,21 @@ def chart_svg(records, dataset):
                 and r.get("config", {}).get("tuning", "naive") == "naive"]
     scenarios = [s for s in ("cil", "dil") if any(r["scenario"] == s for r in finished)]
     order = {m: i for i, m in enumerate(METHODS)}
-    panel_w, top, plot_h, bar_w = 430, 50, 240, 18
+    panel_w, top, plot_h, bar_w = 430, 70, 240, 18
     y = lambda acc: top + plot_h * (1 - acc / 100)
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{panel_w * len(scenarios) + 20}" height="{top + plot_h + 80}"'
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{panel_w * len(scenarios) + 20}" height="{top + plot_h + 30}"'
              ' font-family="sans-serif" font-size="11">',
              f'<text x="10" y="18" font-size="14">{escape(dataset)}: mean ACC over seeds, without and with ReCL</text>',
              '<rect x="10" y="28" width="10" height="10" fill="#9e9e9e"/><text x="24" y="37">method</text>',
              '<rect x="80" y="28" width="10" height="10" fill="#1f77b4"/><text x="94" y="37">method+ReCL</text>',
-             '<line x1="180" y1="33" x2="194" y2="33" stroke="black" stroke-width="2"/>'
-             '<text x="198" y="37">paper</text><text x="240" y="37">whiskers: one std</text>']
+             '<line x1="180" y1="33" x2="194" y2="33" stroke="black" stroke-width="3"/>'
+             '<text x="198" y="37">the paper (Tables 1, 2)</text><text x="340" y="37">whiskers: one std</text>']
     for p, scenario in enumerate(scenarios):
         x0 = 20 + 30 + p * panel_w
         runs = [r for r in finished if r["scenario"] == scenario]
         methods = sorted({r["method"] for r in runs}, key=lambda m: order.get(m, len(order)))
         group_w = (panel_w - 50) / max(1, len(methods))
-        parts.append(f'<text x="{x0}" y="{top - 4}" font-weight="bold">{scenario.upper()}</text>')
+        parts.append(f'<text x="{x0}" y="{top - 12}" font-weight="bold">{scenario.upper()}</text>')
         for tick in range(0, 101, 20):
             parts.append(f'<line x1="{x0 - 4}" y1="{y(tick):.1f}" x2="{x0 + panel_w - 50}" y2="{y(tick):.1f}" '
                          f'stroke="#ddd"/><text x="{x0 - 8}" y="{y(tick) + 4:.1f}" text-anchor="end">{tick}</text>')
@@ -966,21 +966,20 @@ def chart_svg(records, dataset):
             for v, use_recl in enumerate((False, True)):
                 accs = [r["ACC"] for r in runs if r["method"] == method and r["recl"] == use_recl]
                 bx = gx + v * bar_w
+                if accs:
+                    mean, std = mean_std(accs)
+                    name = method + ("+recl" if use_recl else "")
+                    parts.append(f'<rect class="bar" data-method="{name}" data-scenario="{scenario}" x="{bx:.1f}" '
+                                 f'y="{y(mean):.1f}" width="{bar_w - 2}" height="{y(0) - y(mean):.1f}" '
+                                 f'fill="{"#1f77b4" if use_recl else "#9e9e9e"}"><title>{name} {scenario.upper()}: '
+                                 f'{mean:.2f} ({std:.2f}), {len(accs)} seeds</title></rect>')
+                    cx = bx + (bar_w - 2) / 2
+                    parts.append(f'<line x1="{cx:.1f}" y1="{y(min(100, mean + std)):.1f}" x2="{cx:.1f}" '
+                                 f'y2="{y(max(0, mean - std)):.1f}" stroke="#333"/>')
                 paper = PAPER_ACC.get(scenario, {}).get(method) if dataset == "mnist" else None
-                if paper:
-                    parts.append(f'<line class="paper" x1="{bx:.1f}" y1="{y(paper[v]):.1f}" x2="{bx + bar_w - 2:.1f}" '
-                                 f'y2="{y(paper[v]):.1f}" stroke="black" stroke-width="2"/>')
-                if not accs:
-                    continue
-                mean, std = mean_std(accs)
-                name = method + ("+recl" if use_recl else "")
-                parts.append(f'<rect class="bar" data-method="{name}" data-scenario="{scenario}" x="{bx:.1f}" '
-                             f'y="{y(mean):.1f}" width="{bar_w - 2}" height="{y(0) - y(mean):.1f}" '
-                             f'fill="{"#1f77b4" if use_recl else "#9e9e9e"}"><title>{name} {scenario.upper()}: '
-                             f'{mean:.2f} ({std:.2f}), {len(accs)} seeds</title></rect>')
-                cx = bx + (bar_w - 2) / 2
-                parts.append(f'<line x1="{cx:.1f}" y1="{y(min(100, mean + std)):.1f}" x2="{cx:.1f}" '
-                             f'y2="{y(max(0, mean - std)):.1f}" stroke="#333"/>')
+                if paper:  # drawn last, over the bar
+                    parts.append(f'<line class="paper" x1="{bx - 2:.1f}" y1="{y(paper[v]):.1f}" x2="{bx + bar_w:.1f}" '
+                                 f'y2="{y(paper[v]):.1f}" stroke="black" stroke-width="3"/>')
             parts.append(f'<text x="{gx + bar_w:.1f}" y="{top + plot_h + 16}" text-anchor="middle">'
                          f'{escape(method)}</text>')
     parts.append("</svg>")

@@ -23,7 +23,7 @@ from torch.func import functional_call, grad, vmap
 # literature defaults a strategy's state starts from; SEARCH_GRID is what
 # `python recl.py --tune` tries on a validation split carved from the training
 # data (never the test set), together with TRAINING_GRID; TUNED holds what that
-# search chose, per scenario. See docs/running.md, "Hyperparameters" for how and when.
+# search chose, per scenario. See docs/hyperparameters.md for how and when.
 HYPERPARAMETERS = {
     "finetune": {},
     "ewc": {"ewc_lambda": 100.0},                          # Kirkpatrick et al. 2017
@@ -46,7 +46,7 @@ SEARCH_GRID = {  # the ER buffer size is a memory budget, fixed like the paper's
 }
 DEFAULT_TRAINING = {"lr": 0.05, "epochs": 20}
 # Chosen by `TUNE=1 JOBS=2 bash run_all.sh` (10 random draws per method, seed 0,
-# ACC without ReCL on 20% of the training images held out; docs/running.md, "Hyperparameters").
+# ACC without ReCL on 20% of the training images held out; docs/hyperparameters.md).
 TUNED = {
     "cil": {
         "finetune": {"lr": 0.01, "epochs": 10},
