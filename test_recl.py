@@ -114,7 +114,7 @@ def test_reconstruction_recovers_training_data(trained_on_eight_digits):
     model, x = trained_on_eight_digits
     cfg = config(n_rec=1000, rec_target="weights")  # Eq. 3 as written, lr_x 1
     labels_rec = recl.candidate_labels(2, 8, 1, "cil")
-    x_rec, _, report = recl.reconstruct(model, labels_rec, (1, 28, 28), cfg, log=lambda *a: None)
+    x_rec, _, _, report = recl.reconstruct(model, labels_rec, (1, 28, 28), cfg, log=lambda *a: None)
     # cosine similarity of each training image to its nearest reconstruction,
     # against the same for random candidates (measured: about 0.65 vs 0.08)
     found = nearest_cosine(x_rec, x)
@@ -132,7 +132,7 @@ def test_displacement_is_a_gradient_combination_and_the_weights_are_not(trained_
     unexplained = {}
     for target in ("displacement", "weights"):
         cfg = config(n_rec=300, rec_target=target)
-        _, _, report = recl.reconstruct(model, labels_rec, (1, 28, 28), cfg, log=lambda *a: None)
+        _, _, _, report = recl.reconstruct(model, labels_rec, (1, 28, 28), cfg, log=lambda *a: None)
         unexplained[target] = report["last_l_rec"] / report["first_l_rec"]
     # measured: 0.03 and 0.81
     assert unexplained["displacement"] < 0.1 < 0.5 < unexplained["weights"], unexplained
@@ -144,7 +144,7 @@ def test_displacement_target_needs_the_initial_weights():
         recl.reconstruct(model, torch.tensor([0, 1]), (16,), config(n_rec=1, rec_target="displacement"),
                          log=lambda *a: None)
     assert recl.reconstruct(model, torch.tensor([0, 1]), (16,), config(n_rec=1, rec_target="weights"),
-                            log=lambda *a: None)[2]["steps"] == 1
+                            log=lambda *a: None)[3]["steps"] == 1
 
 
 def test_nonfinite_reconstruction_is_dropped_not_trained_on():
@@ -152,15 +152,15 @@ def test_nonfinite_reconstruction_is_dropped_not_trained_on():
     model = models.remember_start(models.MLP(16, 2, hidden=8))
     cfg = config(n_rec=50, lr_x=1e30, lr_lambda=1e30)
     messages = []
-    x, y, report = recl.reconstruct(model, torch.tensor([0, 1] * 4), (16,), cfg, log=messages.append)
+    x, y, _, report = recl.reconstruct(model, torch.tensor([0, 1] * 4), (16,), cfg, log=messages.append)
     assert torch.isfinite(x).all() and x.abs().max() < 1e6  # the state before it blew up
     assert len(x) == len(y) == report["kept"] <= 8
     assert any("not finite" in m for m in messages)
 
 
 def test_earlier_reconstructions_stay_fixed_and_new_classes_start_from_noise():
-    """--freeze-old: the classes reconstructed before keep those candidates bit for bit,
-    only the slots of the newest classes are optimised, from the usual noise start."""
+    """--freeze-old: the classes reconstructed before keep those candidates and lambdas bit
+    for bit, only the slots of the newest classes are optimised, from the usual noise start."""
     torch.manual_seed(0)
     model = models.remember_start(models.MLP(16, 4, hidden=8))
     with torch.no_grad():  # as if trained: a displacement to reconstruct from
@@ -168,16 +168,41 @@ def test_earlier_reconstructions_stay_fixed_and_new_classes_start_from_noise():
             p.add_(0.1 * torch.randn_like(p))
     labels = recl.candidate_labels(4, 3, 2, "cil")  # classes 0-3, three candidates each
     earlier_labels = torch.tensor([0, 0, 0, 1, 1])  # class 1 had one candidate filtered out
-    earlier_x = torch.randn(5, 16)
+    earlier_x, earlier_lam = torch.randn(5, 16), torch.rand(5)
     cfg = config(n_rec=20, m=3)
-    x, y, _ = recl.reconstruct(model, labels, (16,), cfg, lambda *a: None, earlier=(earlier_x, earlier_labels))
-    assert torch.equal(y, labels)
-    assert torch.equal(x[labels == 0], earlier_x[:3])
-    assert torch.equal(x[(labels == 1)][:2], earlier_x[3:])
-    start, _ = recl.initial_candidates(len(labels), (16,), cfg.sigma_x, cfg.seed)
+    x, y, lam, report = recl.reconstruct(model, labels, (16,), cfg, lambda *a: None,
+                                         earlier=(earlier_x, earlier_labels, earlier_lam))
+    assert torch.equal(y, labels) and report["optimised"] == 7
+    assert torch.equal(x[labels == 0], earlier_x[:3]) and torch.equal(lam[labels == 0], earlier_lam[:3])
+    assert torch.equal(x[(labels == 1)][:2], earlier_x[3:]) and torch.equal(lam[labels == 1][:2], earlier_lam[3:])
+    start, start_lam = recl.initial_candidates(len(labels), (16,), cfg.sigma_x, cfg.seed)
     moved = (x - start).flatten(1).norm(dim=1)
     free = torch.tensor([False] * 5 + [True] + [True] * 6)  # class 1's third slot, classes 2 and 3
     assert (moved[free] > 10 * cfg.sigma_x).all(), moved
+    assert not torch.equal(lam[free], start_lam[free])
+
+
+def test_fixed_candidates_part_computed_once_gives_the_same_loss_and_gradients():
+    """Subtracting the fixed candidates' share of Eq. 3's sum from the target once is
+    exact: the loss and the gradients for the free candidates equal the full sum's."""
+    torch.manual_seed(0)
+    net = models.with_smooth_relu(models.MLP(12, 3, hidden=7), alpha=50.0)
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    target = {k: torch.randn_like(v) for k, v in params.items()}
+    x, y, lam = torch.randn(6, 12), torch.tensor([0, 1, 2, 0, 1, 2]), torch.rand(6)
+    fixed = torch.tensor([True, True, False, True, False, False])
+    free_x, free_lam = x[~fixed].clone().requires_grad_(), lam[~fixed].clone().requires_grad_()
+    fixed_part = recl.weighted_gradient_sum(net, params, x[fixed], y[fixed], lam[fixed], m=6)
+    rest = {k: target[k] - fixed_part[k] for k in target}
+    l_once = recl.reconstruction_losses(net, params, rest, 1.0, free_x, y[~fixed], free_lam, 0.05, m=6)[0]
+    all_x, all_lam = x.clone(), lam.clone()
+    all_x[~fixed], all_lam[~fixed] = free_x, free_lam  # the same free tensors, inside the full set
+    l_full = recl.reconstruction_losses(net, params, target, 1.0, all_x, y, all_lam, 0.05)[0]
+    assert torch.allclose(l_once, l_full, rtol=1e-5)
+    grads_once = torch.autograd.grad(l_once, (free_x, free_lam))
+    grads_full = torch.autograd.grad(l_full, (free_x, free_lam))
+    for a, b in zip(grads_once, grads_full):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-7)
 
 
 def test_reconstruction_prints_progress_at_each_quarter():
@@ -204,7 +229,7 @@ def test_run_continual_passes_each_reconstruction_on_to_the_next(monkeypatch):
     recl.run_continual(config(epochs=2, n_rec=3, m=2, filter=False), tasks, "finetune", True, lambda *a: None)
     first_earlier, made_before_task_2, second_earlier, made_before_task_3 = seen
     assert first_earlier is None
-    assert torch.equal(second_earlier[0], made_before_task_2)
+    assert torch.equal(second_earlier[0], made_before_task_2) and len(second_earlier) == 3  # x, labels, lambdas
     assert torch.equal(made_before_task_3[:4], made_before_task_2)  # classes 0 and 1 kept as they were
     seen.clear()
     recl.run_continual(config(epochs=2, n_rec=3, m=2, freeze_old=False), tasks, "finetune", True, lambda *a: None)
