@@ -2,6 +2,7 @@
 
     python benchmark.py                    # CPU or CUDA (auto), about 2 minutes on 2 CPU cores
     python benchmark.py --no-runs          # only the step table (seconds)
+    python benchmark.py --compile          # also the MLP step under torch.compile
     python benchmark.py --out bench.json   # where the JSON goes (default: results/benchmark-DEVICE.json)
 
 Three measurements, printed as tables and written as one JSON file:
@@ -81,8 +82,9 @@ def trained_looking(name, input_shape, n_classes, device, seed=0):
     return model
 
 
-def reconstruction_step(name, input_shape, m, device, repeats):
-    """Time and count one step of recl.reconstruct's loop for m candidates over 10 classes."""
+def reconstruction_step(name, input_shape, m, device, repeats, compiled=False):
+    """Time and count one step of recl.reconstruct's loop for m candidates over 10 classes
+    (with `compiled`, of torch.compile(recl.reconstruction_losses), its first call timed apart)."""
     model = trained_looking(name, input_shape, 10, device)
     cfg = argparse.Namespace(alpha=100.0, lambda_min=0.05)
     net = models.with_smooth_relu(model, cfg.alpha).eval()
@@ -92,16 +94,24 @@ def reconstruction_step(name, input_shape, m, device, repeats):
     x = (1e-3 * torch.randn(len(labels), *input_shape, device=device)).requires_grad_()
     lam = torch.rand(len(labels), device=device).requires_grad_()
 
+    losses_fn = torch.compile(recl.reconstruction_losses) if compiled else recl.reconstruction_losses
+
     def step():
-        losses = recl.reconstruction_losses(net, params, target, scale, x, labels, lam, cfg.lambda_min)
+        losses = losses_fn(net, params, target, scale, x, labels, lam, cfg.lambda_min)
         sum(losses).backward()
         x.grad = lam.grad = None
 
+    first = time.perf_counter()
+    step()  # a compiled function compiles here
+    synchronise(device)
+    first = time.perf_counter() - first
     with quiet_stderr(), profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
-        step()
+        recl.reconstruction_losses(net, params, target, scale, x, labels, lam, cfg.lambda_min)[0].backward()
+    x.grad = lam.grad = None
     flops = sum(event.flops for event in prof.key_averages())
     seconds = timed(step, device, repeats)
-    return {"model": name, "m": m, "seconds": seconds, "gflop": flops / 1e9, "gflops": flops / seconds / 1e9}
+    return {"model": name, "m": m, "compiled": compiled, "first_call_seconds": first, "seconds": seconds,
+            "gflop": flops / 1e9, "gflops": flops / seconds / 1e9}
 
 
 def end_to_end(device):
@@ -125,6 +135,8 @@ def main():
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per step (median)")
     p.add_argument("--no-runs", action="store_true", help="skip the end-to-end runs")
+    p.add_argument("--compile", action="store_true",
+                   help="also time the MLP step under torch.compile (compiling takes seconds to a minute)")
     p.add_argument("--out", default=None, help="JSON file (default: results/benchmark-DEVICE.json)")
     args = p.parse_args()
     if args.device == "auto":
@@ -145,6 +157,13 @@ def main():
             steps.append(row)
             print(f"| {name} | {m} | {row['seconds']:.3f} | {row['gflop']:.1f} | {row['gflops']:.0f} "
                   f"| {row['share_of_matmul']:.2f} |", flush=True)
+    if args.compile:
+        print("\n| torch.compile | m | seconds per step | eager | first call (compiling) |\n|---|---|---|---|---|")
+        for m in (200, 800):
+            row = reconstruction_step("mlp", (1, 28, 28), m, device, args.repeats, compiled=True)
+            eager = next(r["seconds"] for r in steps if r["model"] == "mlp" and r["m"] == m)
+            steps.append(row)
+            print(f"| mlp | {m} | {row['seconds']:.4f} | {eager:.4f} | {row['first_call_seconds']:.1f} |", flush=True)
     result = {"machine": machine, "matmul": peak, "steps": steps}
     if not args.no_runs:
         runs = end_to_end(device)

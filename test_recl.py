@@ -1005,3 +1005,13 @@ def test_non_homogeneous_models_run_a_recl_task(name):
     record = recl.run_continual(cfg, tasks, "ewc", True, lambda *a: None)
     assert record["reconstructions"][0]["kept"] == 4
     assert all(a is not None for a in record["acc_matrix"][1])
+
+
+# --- the benchmark ------------------------------------------------------------------
+
+def test_benchmark_times_and_counts_a_reconstruction_step():
+    import benchmark
+    row = benchmark.reconstruction_step("mlp", (1, 8, 8), 20, torch.device("cpu"), repeats=1)
+    # forward + backward of 20 candidates through a 64-1000-1000-10 MLP: about 6 x 2 x 20 x 1.07M flops
+    assert 0.1 < row["gflop"] < 1.0 and row["seconds"] > 0 and row["gflops"] > 0
+    assert benchmark.matmul_peak(torch.device("cpu"), n=64, repeats=1)["gflops"] > 0
