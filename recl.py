@@ -232,14 +232,14 @@ def reconstruct(model, labels, input_shape, cfg, log=print, earlier=None):
         # The fixed candidates' share of Eq. 3's sum does not change during the
         # optimisation: compute it once, and let the new candidates fit what it
         # leaves of the target. Each step then differentiates through the new
-        # candidates only (200 instead of up to 800 before task 5).
+        # candidates only (in SplitMNIST CIL 200, not up to 800 before task 5).
         fixed_part = weighted_gradient_sum(net, params, x[fixed], labels[fixed], lam[fixed], m)
         target = {k: target[k] - fixed_part[k] for k in target}
     new_x, new_lam, new_labels = x[~fixed].requires_grad_(), lam[~fixed].requires_grad_(), labels[~fixed]
     opt_x = torch.optim.SGD([new_x], lr=cfg.lr_x, momentum=0.9)
     opt_lam = torch.optim.SGD([new_lam], lr=cfg.lr_lambda, momentum=0.9)
 
-    last_finite = new_x.detach().clone()
+    last_finite = new_x.detach().clone(), new_lam.detach().clone()
     report_every = max(1, cfg.n_rec // 4)  # a progress line at each quarter
     for step in range(cfg.n_rec):
         l_rec, l_lambda, l_prior = reconstruction_losses(net, params, target, scale, new_x, new_labels, new_lam,
@@ -249,9 +249,9 @@ def reconstruct(model, labels, input_shape, cfg, log=print, earlier=None):
             first_loss, first_l_rec = loss.item(), l_rec.item()
         if not torch.isfinite(loss):  # diverged: fall back to the last candidates with a finite loss
             log(f"    reconstruction stopped at step {step}: the loss is not finite")
-            new_x = last_finite
+            new_x, new_lam = last_finite
             break
-        last_finite = new_x.detach().clone()
+        last_finite = new_x.detach().clone(), new_lam.detach().clone()
         opt_x.zero_grad()
         opt_lam.zero_grad()
         loss.backward()

@@ -152,8 +152,9 @@ def test_nonfinite_reconstruction_is_dropped_not_trained_on():
     model = models.remember_start(models.MLP(16, 2, hidden=8))
     cfg = config(n_rec=50, lr_x=1e30, lr_lambda=1e30)
     messages = []
-    x, y, _, report = recl.reconstruct(model, torch.tensor([0, 1] * 4), (16,), cfg, log=messages.append)
+    x, y, lam, report = recl.reconstruct(model, torch.tensor([0, 1] * 4), (16,), cfg, log=messages.append)
     assert torch.isfinite(x).all() and x.abs().max() < 1e6  # the state before it blew up
+    assert torch.isfinite(lam).all()  # the lambdas too: kept candidates carry them into the next task
     assert len(x) == len(y) == report["kept"] <= 8
     assert any("not finite" in m for m in messages)
 
