@@ -514,7 +514,7 @@ def run_continual(cfg, tasks, method, use_recl, log=print, mean_image=None):
     hooks, state = strategies.STRATEGIES[method], strategies.new_state(method, **cfg.hp)
     name = method + ("+recl" if use_recl else "")
     R = [[None] * len(tasks) for _ in tasks]
-    reconstructions, recon_quality, earlier = [], [], None
+    reconstructions, recon_quality, earlier, diverged = [], [], None, None
     phases = dict.fromkeys(["reconstruct", "quality_report", "train", "evaluate"], 0.0)  # where the time goes
     clock = time.time()
 
@@ -551,13 +551,10 @@ def run_continual(cfg, tasks, method, use_recl, log=print, mean_image=None):
             models.grow_head(model, per_task * (t + 1))
         try:
             loss = train_task(model, x, y, hooks, state, cfg)
-        except Diverged as err:  # a record that says so, with no ACC or BWT to average
+        except Diverged as err:  # the record says so and has no ACC or BWT to average
+            diverged = f"{err} of task {t + 1}"
             log(f"  [{name}] task {t + 1}: diverged, {err}")
-            return {"method": method, "recl": use_recl, "scenario": cfg.scenario,
-                    "dataset": dataset_name(cfg.dataset), "seed": cfg.seed, "acc_matrix": R,
-                    "ACC": None, "BWT": None, "diverged": f"{err} of task {t + 1}",
-                    "seconds": round(time.time() - start, 2), "reconstructions": reconstructions,
-                    "recon_quality": recon_quality}
+            break
         model.eval()  # strategies look at the trained model (fixed batch-norm statistics, no dropout)
         if "after_task" in hooks:
             hooks["after_task"](model, task, state)
@@ -567,9 +564,9 @@ def run_continual(cfg, tasks, method, use_recl, log=print, mean_image=None):
         log(f"  [{name}] task {t + 1}/{len(tasks)} classes {task.classes}: loss {loss:.3f}, "
             f"acc {' '.join(f'{a:.1f}' for a in R[t][:t + 1])} ({time.time() - task_start:.1f}s)")
 
-    acc, bwt = acc_and_bwt(R)
+    acc, bwt = acc_and_bwt(R) if diverged is None else (None, None)
     return {"method": method, "recl": use_recl, "scenario": cfg.scenario, "dataset": dataset_name(cfg.dataset),
-            "seed": cfg.seed, "acc_matrix": R, "ACC": acc, "BWT": bwt,
+            "seed": cfg.seed, "acc_matrix": R, "ACC": acc, "BWT": bwt, "diverged": diverged,
             "seconds": round(time.time() - start, 2), "reconstructions": reconstructions,
             "recon_quality": recon_quality, "phase_seconds": {k: round(v, 2) for k, v in phases.items()}}
 
@@ -604,8 +601,8 @@ def tune_method(cfg, log=print):
                                         "hp": {**cfg.hp, **own}})
         record = run_continual(run_cfg, tasks, cfg.method, use_recl, lambda *a: None, mean_image)
         trials.append({"settings": chosen, "val_ACC": record["ACC"], "val_BWT": record["BWT"],
-                       "seconds": record["seconds"], **({"diverged": record["diverged"]} if "diverged" in record else {})})
-        outcome = (f"diverged ({record['diverged']})" if "diverged" in record
+                       "seconds": record["seconds"], "diverged": record["diverged"]})
+        outcome = (f"diverged ({record['diverged']})" if record["diverged"]
                    else f"validation ACC {record['ACC']:.2f} BWT {record['BWT']:.2f}")
         log(f"  trial {number + 1}/{len(picks)}: " + " ".join(f"{k} {v:g}" for k, v in chosen.items())
             + f" -> {outcome} ({record['seconds']:.0f}s)")
@@ -647,7 +644,7 @@ class HelpWithDefaults(argparse.HelpFormatter):
     def _get_help_string(self, action):
         text = action.help or ""
         if action.default is None or action.default is False or action.default == argparse.SUPPRESS \
-                or "default" in text or (action.nargs == 0 and action.default is not True):
+                or "default" in text:
             return text
         return f"{text} (default: %(default)s)"
 
@@ -815,12 +812,16 @@ def tuning_path(cfg):
     return Path(cfg.out) / f"{dataset_name(cfg.dataset)}-{cfg.scenario}-{name}-tuning-seed{cfg.seed}.json"
 
 
-def write_json_atomically(path, record):
+def write_atomically(path, text):
     """Write to a temporary name, then rename: a killed run never leaves half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record, indent=1))
+    tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def write_json_atomically(path, record):
+    write_atomically(path, json.dumps(record, indent=1))
 
 
 # -----------------------------------------------------------------------------
@@ -1022,9 +1023,7 @@ def aggregate(folder):
         tables.append(f"### {dataset}, {scenario.upper()}\n\n{summary_table(chosen)}\n")
     for dataset in sorted({r["dataset"] for r in records}):
         path = Path(folder) / f"chart-{dataset}.svg"
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(chart_svg(records, dataset))
-        os.replace(tmp, path)
+        write_atomically(path, chart_svg(records, dataset))
         print(f"chart: {path}", file=sys.stderr)
     return "\n".join(tables)
 
@@ -1071,7 +1070,7 @@ def main(argv=None):
             record.update(class_order=class_order, config=vars(run_cfg), provenance=provenance())
             path = result_path(cfg.out, cfg, cfg.method, use_recl, seed)
             write_json_atomically(path, record)
-            if record.get("diverged"):
+            if record["diverged"]:
                 failed.append(f"{name} {cfg.scenario} seed {seed} diverged: {record['diverged']} "
                               f"(lr {run_cfg.lr:g}); marked so in {path}, never averaged")
                 continue
