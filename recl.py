@@ -64,7 +64,7 @@ import strategies
 # smooth, and scale the gradient sum by 1/m so that lambda_min means the same for
 # any m. The norm in Eq. 3 runs over every parameter tensor of the network.
 #
-# Three departures from the paper, each chosen on validation data
+# Four departures from the paper, each chosen on validation data
 # (docs/levers.md has the numbers; each has a flag that turns it off):
 #
 # 1. What L_rec fits: the displacement theta - theta_0 (`--rec-target`;
@@ -100,6 +100,12 @@ import strategies
 # 3. Filter before training (`--filter`): a candidate the model itself assigns
 #    to another class than its label would teach the wrong boundary, so it is
 #    dropped (App. E suggests filtering; 5-15% of candidates go).
+#
+# 4. Replay with noise (`--replay-noise`, part 3): every time a reconstruction
+#    enters a training batch it carries fresh Gaussian noise. The candidates
+#    are class prototypes, while the old classes' real images scatter widely
+#    around them; noise teaches the network to file that whole neighbourhood
+#    under the old class, not just the prototype.
 #
 # None of this helps a network that has not fitted its tasks: ReCL reads the
 # data out of the weights. So each +ReCL variant trains with its own, larger
@@ -413,14 +419,28 @@ class Diverged(Exception):
     """Training produced a non-finite loss; the run's numbers would be meaningless."""
 
 
-def train_task(model, x, y, hooks, state, cfg):
-    """Plain SGD on cross-entropy; the strategy's hooks add a loss term or edit gradients."""
+def train_task(model, x, y, hooks, state, cfg, n_replayed=0):
+    """Plain SGD on cross-entropy; the strategy's hooks add a loss term or edit gradients.
+
+    The last `n_replayed` rows of x are ReCL's reconstructions. Each time one
+    of them is drawn into a batch it gets fresh noise N(0, s^2), with s
+    cfg.replay_noise times the pixel std of the task's own images (departure 4
+    in part 1). Noise drawn once and kept does not help (docs/levers.md, H):
+    it is the new draw every epoch that covers the neighbourhood.
+    """
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
-    batches = data.loader(x, y, cfg.batch_size, seed=cfg.seed)
+    first_replayed = len(x) - n_replayed
+    noise_std = cfg.replay_noise * x[:first_replayed].std() if n_replayed else 0.0
+    noise_gen = torch.Generator(device=x.device).manual_seed(cfg.seed)
+    batches = data.loader(torch.arange(len(x), device=x.device), y, cfg.batch_size, seed=cfg.seed)  # row numbers
     for epoch in range(cfg.epochs):
         total = 0.0
-        for xb, yb in batches:
+        for rows, yb in batches:
+            xb = x[rows]
+            if noise_std > 0:
+                replayed = (rows >= first_replayed).view(-1, *[1] * (x.dim() - 1))
+                xb = xb + replayed * noise_std * torch.randn(xb.shape, generator=noise_gen, device=x.device)
             logits = model(xb)
             loss = F.cross_entropy(logits, yb)
             if "extra_loss" in hooks:
@@ -545,12 +565,13 @@ def run_continual(cfg, tasks, method, use_recl, log=print, mean_image=None):
             if len(x_rec):
                 recon_quality.append(report_reconstruction(name, tasks[:t], x_rec, cfg, mean_image, log))
             lap("quality_report")
-            # Step 2: train on reconstructions and new data together.
+            # Step 2: train on new data and reconstructions together (the
+            # reconstructions last, so train_task knows which rows to add noise to).
             x, y = torch.cat([x, x_rec]), torch.cat([y, y_rec])
         if cfg.scenario == "cil":
             models.grow_head(model, per_task * (t + 1))
         try:
-            loss = train_task(model, x, y, hooks, state, cfg)
+            loss = train_task(model, x, y, hooks, state, cfg, len(x) - len(task.x_train))
         except Diverged as err:  # the record says so and has no ACC or BWT to average
             diverged = f"{err} of task {t + 1}"
             log(f"  [{name}] task {t + 1}: diverged, {err}")
@@ -701,6 +722,9 @@ def make_parser():
                         "of the task just learned start from noise (--no-freeze-old: all, as in the paper)")
     g.add_argument("--filter", action=argparse.BooleanOptionalAction, default=True,
                    help="train only on candidates the model classifies as their label")
+    g.add_argument("--replay-noise", type=float, default=2.5,
+                   help="std of the fresh noise on replayed reconstructions, in units of the task's pixel std "
+                        "(0: none)")
     g.add_argument("--lr-lambda", type=float, default=0.1, help="step size for the coefficients lambda_i")
     g.add_argument("--lambda-min", type=float, default=0.05, help="Eq. 4 pushes each lambda_i above this")
     g.add_argument("--alpha", type=float, default=100.0, help="sharpness of the smooth ReLU backward")
@@ -751,6 +775,8 @@ def check_args(cfg):
         raise UsageError("--tune chooses --lr and --epochs itself; leave them out")
     if cfg.seed < 0:
         raise UsageError(f"--seed must be >= 0, got {cfg.seed}")
+    if not (math.isfinite(cfg.replay_noise) and cfg.replay_noise >= 0):
+        raise UsageError(f"--replay-noise must be a finite number >= 0, got {cfg.replay_noise}")
     if cfg.dataset not in data.DATASETS and not cfg.dataset.endswith(".pt"):
         raise UsageError(f"--dataset must be one of {', '.join(data.DATASETS)} or a .pt file, got {cfg.dataset!r}")
     most = MNIST_SUBSET_PER_CLASS - 1  # keep at least one test image

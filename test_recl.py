@@ -87,8 +87,13 @@ def test_smooth_relu_keeps_forward_and_smooths_backward():
     z = torch.linspace(-1, 1, 9, requires_grad=True)
     out = models.SmoothBackwardReLU(alpha=10.0)(z)
     assert torch.equal(out, torch.relu(z))
-    (g,) = torch.autograd.grad(out.sum(), z)
+    (g,) = torch.autograd.grad(out.sum(), z, create_graph=True)
     torch.testing.assert_close(g, torch.sigmoid(10.0 * z.detach()))
+    # the backward is itself differentiable: its derivative is that of the sigmoid,
+    # which is what lets reconstruction differentiate through gradients
+    (h,) = torch.autograd.grad(g.sum(), z)
+    s = torch.sigmoid(10.0 * z.detach())
+    torch.testing.assert_close(h, 10.0 * s * (1 - s))
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +279,37 @@ def test_candidate_labels_cover_old_classes_evenly():
     assert recl.candidate_labels(4, 3, 2, "cil").tolist() == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3
     # DIL: the two labels are shared by all tasks, so m per class per old task
     assert recl.candidate_labels(2, 3, 2, "dil").tolist() == [0] * 6 + [1] * 6
+
+
+def test_replay_noise_is_fresh_on_reconstructions_only_and_has_the_stated_size():
+    """train_task adds N(0, (replay_noise * std of the task's images)^2) to the replayed rows
+    each time they are drawn, and leaves the task's own rows alone."""
+    torch.manual_seed(0)
+    new = torch.randn(64, 1, 8, 8) * 2.0                 # the task's own images, pixel std about 2
+    replayed = torch.zeros(64, 1, 8, 8)                   # reconstructions: exact zeros, so what comes out is noise
+    x, y = torch.cat([new, replayed]), torch.zeros(128, dtype=torch.long)
+    seen = []
+
+    def record(model, xb, yb, logits, state):
+        seen.append(xb.detach().clone())
+        return 0.0
+
+    cfg = config(replay_noise=0.5, epochs=2, batch_size=128, lr=0.0)
+    recl.train_task(nn.Sequential(nn.Flatten(), nn.Linear(64, 1)), x, y, {"extra_loss": record}, {}, cfg,
+                    n_replayed=64)
+    assert len(seen) == 2                                 # one batch per epoch, rows in shuffled order
+    is_own = lambda batch: (batch.flatten(1)[:, None] == new.flatten(1)[None]).all(2).any(1)
+    noise = []
+    for batch in seen:
+        assert is_own(batch).sum() == 64                  # every own row came through unchanged
+        noise.append(batch[~is_own(batch)].flatten(1))
+        assert noise[-1].std().item() == pytest.approx(0.5 * new.std().item(), rel=0.05)
+    assert not (noise[0][:, None] == noise[1][None]).all(2).any()  # a fresh draw each epoch
+    # without replayed rows nothing changes at all
+    seen.clear()
+    recl.train_task(nn.Sequential(nn.Flatten(), nn.Linear(64, 1)), new, y[:64], {"extra_loss": record}, {},
+                    config(replay_noise=0.5, epochs=1, batch_size=64, lr=0.0))
+    assert sorted(seen[0].flatten(1).tolist()) == sorted(new.flatten(1).tolist())
 
 
 # --- metrics ---------------------------------------------------------------------
