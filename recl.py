@@ -618,8 +618,8 @@ def tune_method(cfg, log=print):
     for number, pick in enumerate(picks.tolist()):
         chosen = dict(zip(grid, combos[pick]))
         own = {k: v for k, v in chosen.items() if k not in strategies.TRAINING_GRID}
-        run_cfg = argparse.Namespace(**{**vars(cfg), "lr": chosen["lr"], "epochs": chosen["epochs"],
-                                        "hp": {**cfg.hp, **own}})
+        run_cfg = argparse.Namespace(**{**vars(run_config(cfg, cfg.seed, use_recl)), "lr": chosen["lr"],
+                                        "epochs": chosen["epochs"], "hp": {**cfg.hp, **own}})
         record = run_continual(run_cfg, tasks, cfg.method, use_recl, lambda *a: None, mean_image)
         trials.append({"settings": chosen, "val_ACC": record["ACC"], "val_BWT": record["BWT"],
                        "seconds": record["seconds"], "diverged": record["diverged"]})
@@ -722,9 +722,9 @@ def make_parser():
                         "of the task just learned start from noise (--no-freeze-old: all, as in the paper)")
     g.add_argument("--filter", action=argparse.BooleanOptionalAction, default=True,
                    help="train only on candidates the model classifies as their label")
-    g.add_argument("--replay-noise", type=float, default=2.5,
+    g.add_argument("--replay-noise", type=float, default=None,
                    help="std of the fresh noise on replayed reconstructions, in units of the task's pixel std "
-                        "(0: none)")
+                        f"(0: none; default {strategies.DEFAULT_REPLAY_NOISE}, 0 for GPM: strategies.TUNED_RECL)")
     g.add_argument("--lr-lambda", type=float, default=0.1, help="step size for the coefficients lambda_i")
     g.add_argument("--lambda-min", type=float, default=0.05, help="Eq. 4 pushes each lambda_i above this")
     g.add_argument("--alpha", type=float, default=100.0, help="sharpness of the smooth ReLU backward")
@@ -775,7 +775,7 @@ def check_args(cfg):
         raise UsageError("--tune chooses --lr and --epochs itself; leave them out")
     if cfg.seed < 0:
         raise UsageError(f"--seed must be >= 0, got {cfg.seed}")
-    if not (math.isfinite(cfg.replay_noise) and cfg.replay_noise >= 0):
+    if cfg.replay_noise is not None and not (math.isfinite(cfg.replay_noise) and cfg.replay_noise >= 0):
         raise UsageError(f"--replay-noise must be a finite number >= 0, got {cfg.replay_noise}")
     if cfg.dataset not in data.DATASETS and not cfg.dataset.endswith(".pt"):
         raise UsageError(f"--dataset must be one of {', '.join(data.DATASETS)} or a .pt file, got {cfg.dataset!r}")
@@ -802,8 +802,11 @@ def run_config(cfg, seed, use_recl):
     filled in from the method's settings (strategies.settings), which differ for the method
     and its +ReCL variant."""
     chosen = strategies.settings(cfg.method, cfg.scenario, use_recl)
+    # a reconstruction setting: both variants record the value the +ReCL variant uses
+    noise = strategies.settings(cfg.method, cfg.scenario, recl=True)["replay_noise"]
     return argparse.Namespace(**{**vars(cfg), "seed": seed, "lr": chosen["lr"] if cfg.lr is None else cfg.lr,
                                  "epochs": chosen["epochs"] if cfg.epochs is None else cfg.epochs,
+                                 "replay_noise": noise if cfg.replay_noise is None else cfg.replay_noise,
                                  "hp": {**{k: chosen[k] for k in strategies.HYPERPARAMETERS[cfg.method]}, **cfg.hp}})
 
 

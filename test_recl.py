@@ -30,6 +30,7 @@ def config(**overrides):
     for k, v in overrides.items():
         setattr(cfg, k, v)
     cfg.lr_x = cfg.lr_x or recl.DEFAULT_LR_X[cfg.rec_target]
+    cfg.replay_noise = strategies.DEFAULT_REPLAY_NOISE if cfg.replay_noise is None else cfg.replay_noise
     return cfg
 
 
@@ -772,6 +773,23 @@ def test_the_recl_variant_trains_with_its_own_settings(tmp_path, monkeypatch):
     assert (base["lr"], base["epochs"], base["hp"]) == (0.02, 1, {"ewc_lambda": 5.0})
     assert (with_recl["lr"], with_recl["epochs"], with_recl["hp"]) == (0.07, 2, {"ewc_lambda": 50.0})
     assert config_of("b", "ewc+recl")["epochs"] == 1  # the command line wins for both variants
+
+
+def test_replay_noise_is_the_default_but_gpm_replays_without_and_the_flag_wins():
+    def cfg(*flags):
+        parsed = recl.make_parser().parse_args(["--method", "gpm", *flags])
+        recl.check_args(parsed)
+        return parsed
+
+    assert strategies.settings("finetune", "cil", recl=True)["replay_noise"] == strategies.DEFAULT_REPLAY_NOISE > 0
+    assert "replay_noise" not in strategies.settings("finetune", "cil", recl=False)
+    for scenario in ("cil", "dil"):
+        gpm = recl.run_config(cfg("--scenario", scenario), 0, True)
+        assert gpm.replay_noise == 0.0 and gpm.lr == strategies.settings("gpm", scenario, True)["lr"]
+        assert recl.run_config(cfg("--scenario", scenario), 0, False).replay_noise == 0.0  # recorded alike
+        assert recl.run_config(cfg("--scenario", scenario, "--replay-noise", "1.5"), 0, True).replay_noise == 1.5
+    with pytest.raises(recl.UsageError, match="--replay-noise must be"):
+        cfg("--replay-noise", "-1")
 
 
 def run_all_dry(tmp_path, **knobs):
