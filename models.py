@@ -138,43 +138,17 @@ def grow_head(model, n_classes):
         model.start["head.weight"] = torch.cat([start, new.weight[old.out_features:].detach().to(start.device)])
 
 
-class SmoothBackwardReLUFunction(torch.autograd.Function):
-    """relu(z) forward; backward multiplies by sigmoid(alpha z) instead of the step.
-
-    The backward is written in ordinary differentiable operations, so it can be
-    differentiated again (the double backward reconstruction needs). With
-    setup_context and a generated vmap rule torch.func's grad and vmap take it
-    as they are.
-    """
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(z, alpha):
-        return z.clamp_min(0)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        z, ctx.alpha = inputs
-        ctx.save_for_backward(z)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        (z,) = ctx.saved_tensors
-        return grad_out * torch.sigmoid(ctx.alpha * z), None
-
-
 class SmoothBackwardReLU(nn.Module):
     """ReLU forward, sigmoid(alpha * z) as its derivative in the backward pass.
 
     Reconstruction differentiates *through* gradients of the network, and the
     true ReLU derivative (a step) has zero second derivative almost everywhere.
     Following Haim et al. (2022), we keep the forward pass exact and smooth only
-    the backward pass: sigmoid(alpha z) is the derivative of
-    softplus_alpha(z) = log(1 + e^(alpha z)) / alpha, a ReLU with a rounded
-    corner. Writing the backward by hand (above) instead of taking it from
-    relu(z) + softplus_alpha(z) - stop_grad(softplus_alpha(z)) gives the same
-    numbers with a third fewer element-wise passes, which the CNN's large
-    activation maps feel (docs/cost.md).
+    the backward pass. softplus_alpha(z) = log(1 + e^(alpha z)) / alpha has
+    derivative sigmoid(alpha z), so
+        relu(z) + softplus_alpha(z) - stop_grad(softplus_alpha(z))
+    equals relu(z) in value and has the smooth derivative; it needs no custom
+    autograd.Function, so torch.func transforms handle it as they are.
     """
 
     def __init__(self, alpha):
@@ -182,7 +156,8 @@ class SmoothBackwardReLU(nn.Module):
         self.alpha = alpha
 
     def forward(self, z):
-        return SmoothBackwardReLUFunction.apply(z, self.alpha)
+        smooth = F.softplus(z, beta=self.alpha)
+        return torch.relu(z).detach() + smooth - smooth.detach()
 
 
 def with_smooth_relu(model, alpha):

@@ -105,7 +105,10 @@ import strategies
 #    enters a training batch it carries fresh Gaussian noise. The candidates
 #    are class prototypes, while the old classes' real images scatter widely
 #    around them; noise teaches the network to file that whole neighbourhood
-#    under the old class, not just the prototype.
+#    under the old class, not just the prototype. Validation ACC in CIL
+#    75.3 -> 81.3, BWT -19.2 -> -11.9; noise on one-step candidates still
+#    collapses (26.3), so it is the reconstructions it widens that help.
+#    (GPM's variant replays without it: strategies.TUNED_RECL says why.)
 #
 # None of this helps a network that has not fitted its tasks: ReCL reads the
 # data out of the weights. So each +ReCL variant trains with its own, larger
