@@ -429,12 +429,13 @@ def train_task(model, x, y, hooks, state, cfg, n_replayed=0):
     of them is drawn into a batch it gets fresh noise N(0, s^2), with s
     cfg.replay_noise times the pixel std of the task's own images (departure 4
     in part 1). Noise drawn once and kept does not help (docs/levers.md, H):
-    it is the new draw every epoch that covers the neighbourhood.
+    it is a new draw each time that covers the neighbourhood.
     """
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     first_replayed = len(x) - n_replayed
-    noise_std = cfg.replay_noise * x[:first_replayed].std() if n_replayed else 0.0
+    # a Python float, so the batch loop never waits on the device to compare it
+    noise_std = (cfg.replay_noise * x[:first_replayed].std()).item() if n_replayed else 0.0
     noise_gen = torch.Generator(device=x.device).manual_seed(cfg.seed)
     batches = data.loader(torch.arange(len(x), device=x.device), y, cfg.batch_size, seed=cfg.seed)  # row numbers
     for epoch in range(cfg.epochs):
