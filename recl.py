@@ -752,6 +752,10 @@ def make_parser():
     p.add_argument("--pending", action="store_true",
                    help="read recl.py command lines on stdin and print those whose result is missing or stale "
                         "(run_all.sh uses this), then exit")
+    p.add_argument("--queue", metavar="DIR",
+                   help="run the recl.py command lines in DIR/commands one after another in this process, "
+                        "skipping those another --queue process on DIR has claimed (run_all.sh starts JOBS "
+                        "of these), then exit")
     return p
 
 
@@ -868,8 +872,8 @@ def write_json_atomically(path, record):
 # which made it). A change of code without a change of settings is not detected:
 # the provenance's commit records it.
 
-NOT_SETTINGS = {"device", "out", "quiet", "seeds", "variant", "data_root", "aggregate", "pending", "save_images",
-                "tune"}
+NOT_SETTINGS = {"device", "out", "quiet", "seeds", "variant", "data_root", "aggregate", "pending", "queue",
+                "save_images", "tune"}
 
 
 def settings_of(config):
@@ -882,14 +886,20 @@ def differences(old, new):
     return ", ".join(f"{k} {old.get(k, 'unset')} -> {new.get(k, 'unset')}" for k in keys if old.get(k) != new.get(k))
 
 
+def command_args(line):
+    """The arguments after `recl.py` in a shell command line; None if it does not run recl.py."""
+    words = shlex.split(line)
+    at = next((i for i, w in enumerate(words) if w.endswith("recl.py")), None)
+    return None if at is None else words[at + 1:]
+
+
 def pending_runs(lines, report=print):
     """The command lines (each `... recl.py ARGS`, one run) whose result is missing or stale."""
     todo = []
     for line in lines:
-        words = shlex.split(line)
-        if not any(w.endswith("recl.py") for w in words):
+        args = command_args(line)
+        if args is None:
             continue
-        args = words[next(i for i, w in enumerate(words) if w.endswith("recl.py")) + 1:]
         try:
             cfg = make_parser().parse_args(args)
             check_args(cfg)
@@ -915,6 +925,42 @@ def pending_runs(lines, report=print):
             report(f"stale: {path} ({differences(recorded, wanted) or 'no settings recorded'})")
             todo.append(line)
     return todo
+
+
+def work_through_queue(folder):
+    """--queue: run the command lines in FOLDER/commands in this process, each one that no
+    other worker on FOLDER has claimed.
+
+    Why: starting a process costs about 4 s here (importing torch, then
+    torch._dynamo, which torch.func and torch.optim load on first use, then
+    parsing the MNIST CSV), as long as a whole Finetune run. run_all.sh
+    therefore starts JOBS workers on one list instead of one process per run.
+    A worker claims run i by creating FOLDER/claimed-i, which succeeds for one
+    process only, so runs are handed out one at a time and the workers finish
+    together. Every run seeds itself (run_continual), so it gives what it
+    would give alone; a run that fails says so in one line and the rest still run.
+    """
+    if not (Path(folder) / "commands").is_file():
+        raise UsageError(f"--queue {folder}: there is no file {Path(folder) / 'commands'}")
+    lines = (Path(folder) / "commands").read_text().splitlines()
+    failed = []
+    for number, line in enumerate(lines):
+        args = command_args(line)
+        if args is None:
+            continue
+        try:
+            os.close(os.open(Path(folder) / f"claimed-{number}", os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            continue  # another worker has it
+        try:
+            if "--queue" in args:
+                raise UsageError("a queued command cannot itself be --queue")
+            main(args)
+        except (UsageError, RunFailed, data.DataError) as err:
+            print(f"recl.py: error: {err} ({line})", file=sys.stderr, flush=True)
+            failed.append(line)
+    if failed:
+        raise RunFailed(f"{len(failed)} queued run(s) failed, each named above")
 
 
 # -----------------------------------------------------------------------------
@@ -1083,6 +1129,8 @@ def main(argv=None):
     if cfg.pending:
         print("\n".join(pending_runs(sys.stdin.read().splitlines(), lambda m: print(m, file=sys.stderr))))
         return
+    if cfg.queue:
+        return work_through_queue(cfg.queue)
     check_args(cfg)
     cfg = resolve_defaults(cfg)
     log = (lambda *a: None) if cfg.quiet else (lambda *a: print(*a, flush=True))

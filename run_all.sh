@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The full results table: every method with and without ReCL, in CIL and DIL,
-# over several seeds, one `python recl.py` process per run, then one table.
+# over several seeds (JOBS worker processes working through one list of runs),
+# then one table.
 #
 #   bash run_all.sh                      # everything, 5 seeds
 #   QUICK=1 bash run_all.sh              # 1 seed, few epochs and steps: minutes
@@ -101,7 +102,22 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
 fi
 start=$(date +%s)
 if [ "$count" -gt 0 ]; then
-  printf '%s\n' "$todo" | xargs -d '\n' -P "$JOBS" -I{} bash -c '{}'
+  # JOBS worker processes share the list, each claiming the next unclaimed run
+  # (recl.py --queue): torch is imported once per worker, not once per run.
+  queue=$(mktemp -d)
+  trap 'rm -rf "$queue"' EXIT
+  printf '%s\n' "$todo" > "$queue/commands"
+  workers=()
+  for ((job = 0; job < JOBS; job++)); do
+    "$PYTHON" recl.py --queue "$queue" &
+    workers+=($!)
+  done
+  failed=0
+  for worker in "${workers[@]}"; do wait "$worker" || failed=1; done
+  if [ "$failed" = 1 ]; then
+    echo "run_all: some runs failed (named above); their results are missing or marked diverged" >&2
+    exit 1
+  fi
 fi
 echo "run_all: finished in $(( $(date +%s) - start ))s"
 if [ -z "$SWEEP_FLAG" ]; then

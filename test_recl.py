@@ -499,6 +499,19 @@ def test_missing_and_corrupt_dataset_files_raise_data_error(tmp_path):
         data.load_mnist_subset(short)
 
 
+def test_a_csv_parsed_once_is_reused_by_content_and_never_shared(tmp_path):
+    path = tmp_path / "two.csv.gz"
+    row = lambda value, label: ",".join([str(value)] * 784 + [str(label)])
+    path.write_bytes(gzip.compress((row(7, 3) + "\n" + row(9, 4) + "\n").encode()))
+    images, labels = data.load_mnist_subset(path)
+    images.zero_()  # a caller that writes into what it got
+    again, _ = data.load_mnist_subset(path)
+    assert again[:, 0, 0, 0].tolist() == [7, 9] and labels.tolist() == [3, 4]
+    path.write_bytes(gzip.compress((row(1, 0) + "\n").encode()))  # same file name, new content
+    changed, changed_labels = data.load_mnist_subset(path)
+    assert changed[:, 0, 0, 0].tolist() == [1] and changed_labels.tolist() == [0]
+
+
 # --- command line ------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv, words", [
@@ -836,6 +849,30 @@ def test_run_all_tune_runs_one_search_per_method(tmp_path):
     assert len(runs) == 2 and all("--tune" in r and "--seed 0" in r for r in runs)
     nothing, _ = run_all_dry(tmp_path, TUNE="1", DATASETS="cifar10", DATA_ROOT=str(tmp_path))  # default folder
     assert nothing.returncode == 0 and "0 runs to do in results/tuning/" in nothing.stdout
+
+
+def test_queue_workers_claim_each_run_once_and_a_run_gives_what_it_gives_alone(tmp_path):
+    tiny = "--epochs 1 --n-per-class 10 --n-rec 3 --variant recl --quiet"
+    lines = [f"python recl.py --seed {seed} {tiny} --out {tmp_path / 'queue'}" for seed in range(3)]
+    lines += ["echo not a run", f"python recl.py --m -5 {tiny} --out {tmp_path}"]  # ignored; fails in one line
+    (tmp_path / "commands").write_text("\n".join(lines) + "\n")
+    (tmp_path / "claimed-1").touch()  # another worker has taken seed 1
+    with pytest.raises(recl.RunFailed, match="1 queued run"):
+        recl.work_through_queue(tmp_path)
+    done = sorted(p.name for p in (tmp_path / "queue").iterdir())
+    assert done == ["mnist-cil-finetune+recl-seed0.json", "mnist-cil-finetune+recl-seed2.json"]
+    assert sorted(p.name for p in tmp_path.glob("claimed-*")) == ["claimed-0", "claimed-1", "claimed-2", "claimed-4"]
+    # seed 2 ran after seed 0 in the same process; alone, in a fresh one, it gives the same numbers
+    alone = subprocess.run([sys.executable, str(HERE / "recl.py"), "--seed", "2", *tiny.split(),
+                            "--out", str(tmp_path / "alone")], capture_output=True, text=True, cwd=HERE)
+    assert alone.returncode == 0, alone.stderr
+    name = "mnist-cil-finetune+recl-seed2.json"
+    queued, single = (json.loads((tmp_path / d / name).read_text()) for d in ("queue", "alone"))
+    without_time = lambda record: [{k: v for k, v in r.items() if k != "seconds"} for r in record["reconstructions"]]
+    assert queued["acc_matrix"] == single["acc_matrix"] and without_time(queued) == without_time(single)
+    assert recl.work_through_queue(tmp_path) is None  # everything claimed: a second worker does nothing
+    with pytest.raises(recl.UsageError, match="no file"):
+        recl.work_through_queue(tmp_path / "queue")
 
 
 # --- reconstruction quality and tuning ------------------------------------------
