@@ -862,7 +862,7 @@ def write_json_atomically(path, record):
 
 
 # -----------------------------------------------------------------------------
-# 4b. Is a finished run still what would run now? (for run_all.sh and tables)
+# 4b. For run_all.sh: is a finished run still what would run now? And workers that run the rest
 # -----------------------------------------------------------------------------
 # A result counts only if its recorded config equals what the same command would
 # use today, so a change of a default (or of strategies.TUNED) reruns the runs it
