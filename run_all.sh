@@ -105,9 +105,12 @@ if [ "$count" -gt 0 ]; then
   # JOBS worker processes share the list, each claiming the next unclaimed run
   # (recl.py --queue): torch is imported once per worker, not once per run.
   queue=$(mktemp -d)
-  trap 'rm -rf "$queue"' EXIT
-  printf '%s\n' "$todo" > "$queue/commands"
   workers=()
+  trap 'rm -rf "$queue"' EXIT
+  # Background processes of a script ignore Ctrl-C, so stop the workers here
+  # (a run in flight is lost; results are written atomically, none is half-written).
+  trap 'kill "${workers[@]}" 2>/dev/null; wait; echo "run_all: interrupted; finished runs are saved, rerun to do the rest" >&2; exit 130' INT TERM
+  printf '%s\n' "$todo" > "$queue/commands"
   for ((job = 0; job < JOBS; job++)); do
     "$PYTHON" recl.py --queue "$queue" &
     workers+=($!)

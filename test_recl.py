@@ -875,6 +875,31 @@ def test_queue_workers_claim_each_run_once_and_a_run_gives_what_it_gives_alone(t
         recl.work_through_queue(tmp_path / "queue")
 
 
+def test_an_interrupted_run_all_stops_its_workers(tmp_path):
+    import os, signal, time
+    # a stand-in for python whose --queue workers only wait, so that nothing real runs
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/bash\nfor a in "$@"; do [ "$a" = --queue ] && exec sleep 59.123; done\n'
+                    f'exec {sys.executable} "$@"\n')
+    fake.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "JOBS": "2", "SEEDS": "1", "METHODS": "finetune",
+           "SCENARIOS": "cil", "RESULTS": str(tmp_path / "out")}
+    run_all = subprocess.Popen(["bash", str(HERE / "run_all.sh")], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, cwd=HERE)
+    workers = []
+    for _ in range(300):  # the pending check imports torch first
+        workers = subprocess.run(["pgrep", "-f", "sleep 59.123"], capture_output=True, text=True).stdout.split()
+        if len(workers) == 2:
+            break
+        time.sleep(0.1)
+    assert len(workers) == 2
+    run_all.send_signal(signal.SIGTERM)
+    _, err = run_all.communicate(timeout=20)
+    assert run_all.returncode == 130 and "interrupted; finished runs are saved" in err
+    time.sleep(0.5)
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in workers)  # no worker left running
+
+
 # --- reconstruction quality and tuning ------------------------------------------
 
 def test_ssim_identical_is_one_symmetric_and_lowered_by_noise():
