@@ -250,9 +250,11 @@ def reconstruct(model, labels, input_shape, cfg, log=print, earlier=None):
 
     last_finite = new_x.detach().clone(), new_lam.detach().clone()
     report_every = max(1, cfg.n_rec // 4)  # a progress line at each quarter
+    half = getattr(cfg, "rec_precision", "float32") == "bfloat16"
     for step in range(cfg.n_rec):
-        l_rec, l_lambda, l_prior = reconstruction_losses(net, params, target, scale, new_x, new_labels, new_lam,
-                                                         cfg.lambda_min, m)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=half):
+            l_rec, l_lambda, l_prior = reconstruction_losses(net, params, target, scale, new_x, new_labels, new_lam,
+                                                             cfg.lambda_min, m)
         loss = l_rec + l_lambda + l_prior
         if step == 0:
             first_loss, first_l_rec = loss.item(), l_rec.item()
@@ -729,6 +731,8 @@ def make_parser():
     g.add_argument("--replay-noise", type=float, default=None,
                    help="std of the fresh noise on replayed reconstructions, in units of the task's pixel std "
                         f"(0: none; default {strategies.DEFAULT_REPLAY_NOISE}, 0 for GPM: strategies.TUNED_RECL)")
+    g.add_argument("--rec-precision", choices=["float32", "bfloat16"], default="float32",
+                   help="number format of the reconstruction's matrix products (bfloat16: autocast)")
     g.add_argument("--lr-lambda", type=float, default=0.1, help="step size for the coefficients lambda_i")
     g.add_argument("--lambda-min", type=float, default=0.05, help="Eq. 4 pushes each lambda_i above this")
     g.add_argument("--alpha", type=float, default=100.0, help="sharpness of the smooth ReLU backward")
