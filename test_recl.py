@@ -26,6 +26,7 @@ def config(**overrides):
     """The CLI's defaults, resolved as main() resolves them, with overrides."""
     cfg = recl.make_parser().parse_args([])
     cfg.device, cfg.m, cfg.hp = "cpu", cfg.n_per_class, {}
+    cfg.rec_precision = "float32"  # the same numbers on every CPU (auto picks by the CPU's instructions)
     cfg.lr, cfg.epochs = strategies.DEFAULT_TRAINING["lr"], strategies.DEFAULT_TRAINING["epochs"]
     for k, v in overrides.items():
         setattr(cfg, k, v)
@@ -142,6 +143,34 @@ def test_displacement_is_a_gradient_combination_and_the_weights_are_not(trained_
         unexplained[target] = report["last_l_rec"] / report["first_l_rec"]
     # measured: 0.03 and 0.81
     assert unexplained["displacement"] < 0.1 < 0.5 < unexplained["weights"], unexplained
+
+
+def test_bfloat16_reconstruction_fits_like_float32(trained_on_eight_digits):
+    """--rec-precision bfloat16 runs the step's products in bfloat16 (the candidates
+    differ from float32's) and fits the displacement as well (recl.py, part 1)."""
+    model, x = trained_on_eight_digits
+    labels_rec = recl.candidate_labels(2, 8, 1, "cil")
+    found, unexplained = {}, {}
+    for precision in ("float32", "bfloat16"):
+        cfg = config(n_rec=300, rec_target="displacement", rec_precision=precision)
+        x_rec, _, _, report = recl.reconstruct(model, labels_rec, (1, 28, 28), cfg, log=lambda *a: None)
+        found[precision], unexplained[precision] = x_rec, report["last_l_rec"] / report["first_l_rec"]
+    assert not torch.equal(found["float32"], found["bfloat16"])
+    # measured: 0.034 for both, nearest cosine 0.667 for both
+    assert unexplained["bfloat16"] < 0.1 and abs(unexplained["bfloat16"] - unexplained["float32"]) < 0.01, unexplained
+    similarity = {p: nearest_cosine(v, x).mean().item() for p, v in found.items()}
+    assert abs(similarity["bfloat16"] - similarity["float32"]) < 0.05, similarity
+
+
+def test_auto_precision_is_bfloat16_only_on_a_cpu_with_bfloat16_instructions(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert recl.reconstruction_precision("auto", cuda) == "float32"
+    for precision in ("float32", "bfloat16"):
+        assert recl.reconstruction_precision(precision, cpu) == recl.reconstruction_precision(precision, cuda) == precision
+    for capabilities, expected in (({"avx512_bf16": True}, "bfloat16"), ({"amx_bf16": True}, "bfloat16"),
+                                   ({"avx512_bf16": False, "avx2": True}, "float32")):
+        monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: capabilities)
+        assert recl.reconstruction_precision("auto", cpu) == expected
 
 
 def test_displacement_target_needs_the_initial_weights():
@@ -1126,9 +1155,27 @@ def test_non_homogeneous_models_run_a_recl_task(name):
 
 # --- the benchmark ------------------------------------------------------------------
 
+def test_benchmark_counts_the_work_of_products_and_convolutions_by_hand():
+    """Forward and backward of a product or a convolution is three times its forward
+    (input and weight gradients); torch.profiler misses the convolution's backward."""
+    import benchmark
+    x, w = torch.randn(5, 7, requires_grad=True), torch.randn(3, 7, requires_grad=True)
+    with benchmark.CountFlops() as counter:
+        (x @ w.T).sum().backward()
+    assert counter.flops == 3 * 2 * 5 * 7 * 3
+    image, kernel = torch.randn(2, 3, 9, 9, requires_grad=True), torch.randn(4, 3, 3, 3, requires_grad=True)
+    with benchmark.CountFlops() as counter:
+        F.conv2d(image, kernel, stride=2).sum().backward()
+    outputs = 2 * 4 * 4 * 4  # images x channels x 4 x 4 positions
+    assert counter.flops == 3 * 2 * outputs * 3 * 3 * 3
+
+
 def test_benchmark_times_and_counts_a_reconstruction_step():
     import benchmark
     row = benchmark.reconstruction_step("mlp", (1, 8, 8), 20, torch.device("cpu"), repeats=1)
     # forward + backward of 20 candidates through a 64-1000-1000-10 MLP: about 6 x 2 x 20 x 1.07M flops
     assert 0.1 < row["gflop"] < 1.0 and row["seconds"] > 0 and row["gflops"] > 0
-    assert benchmark.matmul_peak(torch.device("cpu"), n=64, repeats=1)["gflops"] > 0
+    half = benchmark.reconstruction_step("mlp", (1, 8, 8), 20, torch.device("cpu"), repeats=1, precision="bfloat16")
+    assert half["precision"] == "bfloat16" and half["seconds"] > 0
+    for dtype in (torch.float32, torch.bfloat16):
+        assert benchmark.matmul_peak(torch.device("cpu"), dtype, n=64, repeats=1)["gflops"] > 0
