@@ -1,0 +1,28 @@
+"""torch.compile of one CNN reconstruction step (m = 200, CIFAR10-shaped, products in bfloat16)
+against eager: the first call (compiling) and the best of 3 steps after it.
+
+    python docs/runs/cost-probes/compile_cnn.py      # from the repository root; 2 threads
+"""
+import sys, time, torch
+sys.path.insert(0, '.')
+import models, recl, benchmark
+torch.set_num_threads(2)
+m = 200
+model = benchmark.trained_looking("cnn", (3, 32, 32), 10, torch.device("cpu"))
+net = models.with_smooth_relu(model, 100.).eval()
+params = {k: v.detach() for k, v in net.named_parameters()}
+target, scale = recl.reconstruction_target(params, models.start_weights(model), "displacement")
+labels = torch.arange(10).repeat_interleave(m // 10)
+x = (1e-3 * torch.randn(len(labels), 3, 32, 32)).requires_grad_()
+lam = torch.rand(len(labels)).requires_grad_()
+compiled = torch.compile(recl.reconstruction_losses)
+for name, fn in (("eager", recl.reconstruction_losses), ("compiled", compiled)):
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            l = fn(net, params, target, scale, x, labels, lam, 0.05)
+        sum(l).backward(); g = x.grad.clone(); x.grad = lam.grad = None; return l[0].item(), g
+    t = time.perf_counter(); l, g = step(); first = time.perf_counter() - t
+    ts = []
+    for _ in range(3):
+        t = time.perf_counter(); l, g = step(); ts.append(time.perf_counter() - t)
+    print(name, f"first {first:.1f}s, step {min(ts):.3f}s, L_rec {l:.6f}, |g| {g.norm():.4e}", flush=True)
