@@ -9,7 +9,6 @@ import copy
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 
 class MLP(nn.Module):
@@ -138,17 +137,43 @@ def grow_head(model, n_classes):
         model.start["head.weight"] = torch.cat([start, new.weight[old.out_features:].detach().to(start.device)])
 
 
+class SmoothBackwardReLUFunction(torch.autograd.Function):
+    """relu(z) forward; the backward multiplies by sigmoid(alpha z) instead of the step.
+
+    The backward is written in ordinary differentiable operations, so autograd
+    can differentiate it again, as the reconstruction's double backward needs.
+    setup_context and the generated vmap rule let torch.func's grad and vmap
+    take it as it is.
+    """
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(z, alpha):
+        return z.clamp_min(0)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        z, ctx.alpha = inputs
+        ctx.save_for_backward(z)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (z,) = ctx.saved_tensors
+        return grad_out * torch.sigmoid(ctx.alpha * z), None
+
+
 class SmoothBackwardReLU(nn.Module):
     """ReLU forward, sigmoid(alpha * z) as its derivative in the backward pass.
 
     Reconstruction differentiates *through* gradients of the network, and the
     true ReLU derivative (a step) has zero second derivative almost everywhere.
     Following Haim et al. (2022), we keep the forward pass exact and smooth only
-    the backward pass. softplus_alpha(z) = log(1 + e^(alpha z)) / alpha has
-    derivative sigmoid(alpha z), so
-        relu(z) + softplus_alpha(z) - stop_grad(softplus_alpha(z))
-    equals relu(z) in value and has the smooth derivative; it needs no custom
-    autograd.Function, so torch.func transforms handle it as they are.
+    the backward pass: sigmoid(alpha z) is the derivative of
+    softplus_alpha(z) = log(1 + e^(alpha z)) / alpha, a ReLU with a rounded corner.
+    The same derivatives come out of relu(z).detach() + softplus_alpha(z) -
+    softplus_alpha(z).detach() with no Function at all, but that form runs four
+    element-wise passes forward and more in the double backward; the Function
+    above makes a CNN reconstruction step 13-18% faster (docs/cost.md).
     """
 
     def __init__(self, alpha):
@@ -156,8 +181,7 @@ class SmoothBackwardReLU(nn.Module):
         self.alpha = alpha
 
     def forward(self, z):
-        smooth = F.softplus(z, beta=self.alpha)
-        return torch.relu(z).detach() + smooth - smooth.detach()
+        return SmoothBackwardReLUFunction.apply(z, self.alpha)
 
 
 def with_smooth_relu(model, alpha):

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.func import grad, vmap
 
 import data
 import models
@@ -96,6 +97,12 @@ def test_smooth_relu_keeps_forward_and_smooths_backward():
     (h,) = torch.autograd.grad(g.sum(), z)
     s = torch.sigmoid(10.0 * z.detach())
     torch.testing.assert_close(h, 10.0 * s * (1 - s))
+    # and torch.func's transforms, which the reconstruction uses, give the same
+    relu = models.SmoothBackwardReLU(alpha=10.0)
+    second = grad(lambda v: grad(lambda u: relu(u).sum())(v).sum())(z.detach())
+    torch.testing.assert_close(second, h)
+    per_point = vmap(grad(lambda u: relu(u)))(z.detach())
+    torch.testing.assert_close(per_point, s)
 
 
 @pytest.fixture(scope="module")
