@@ -222,7 +222,7 @@ def keep_earlier(x, lam, labels, earlier_x, earlier_labels, earlier_lam):
 # float32. The fit does not notice: the relative L_rec of a reconstruction moves
 # in the fourth digit (0.0724 -> 0.0723) and validation ACC stays within seed
 # noise for every method (docs/levers.md, section K), while a step on a CPU
-# with bfloat16 instructions (AVX512-BF16 or AMX) takes 1.6 to 2.3 times less.
+# with bfloat16 instructions (AVX512-BF16 or AMX) takes 1.6 to 2.4 times less.
 # `auto` (the default) uses it only there: a CPU without them emulates
 # bfloat16, and on a GPU the step is bound by launching kernels, not by
 # arithmetic (docs/cost.md), so both keep float32. Training is always float32.
