@@ -224,8 +224,9 @@ def keep_earlier(x, lam, labels, earlier_x, earlier_labels, earlier_lam):
 # noise for every method (docs/levers.md, section K), while a step on a CPU
 # with bfloat16 instructions (AVX512-BF16 or AMX) takes 1.6 to 2.4 times less.
 # `auto` (the default) uses it only there: a CPU without them emulates
-# bfloat16, and on a GPU the step is bound by launching kernels, not by
-# arithmetic (docs/cost.md), so both keep float32. Training is always float32.
+# bfloat16, and on a GPU the step at these sizes is bound more by launching
+# kernels than by arithmetic (docs/cost.md) and bfloat16 there is unmeasured,
+# so both keep float32. Training is always float32.
 
 def reconstruction_precision(choice, device):
     """'float32' or 'bfloat16' for `--rec-precision` choice ('auto' or either) on `device`."""
