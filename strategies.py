@@ -78,7 +78,8 @@ TUNED = {
 # validation ACC of the +ReCL variant (seeds 0-2) among lr/epochs {own, 0.05/20,
 # 0.1/20} (Finetune CIL also 0.05/40, 0.05/60, 0.1/40), then a weaker lambda for
 # EWC and LwF (docs/levers.md, sections C and G). With replay noise, the other
-# lr of {0.05, 0.1} was tried again in CIL; only EWC changed, to 0.1 (section J).
+# lr of {0.05, 0.1} was tried again in CIL; only EWC changed, to 0.1 (section J);
+# and in DIL, where only A-GEM changed, to 0.1 (section L).
 TUNED_RECL = {
     "cil": {
         "finetune": {"lr": 0.1, "epochs": 20},
@@ -95,7 +96,7 @@ TUNED_RECL = {
         "lwf": {"lwf_lambda": 0.5},
         "er": {"lr": 0.05, "epochs": 20},
         "upgd": {"lr": 0.1, "epochs": 20},
-        "agem": {"lr": 0.05, "epochs": 20},
+        "agem": {"lr": 0.1, "epochs": 20},
         "gpm": {"replay_noise": 0.0},
     },
 }
