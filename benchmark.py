@@ -90,18 +90,27 @@ def trained_looking(name, input_shape, n_classes, device, seed=0):
     return model
 
 
-def reconstruction_step(name, input_shape, m, device, repeats, precision="float32", compiled=False):
-    """Time and count one step of recl.reconstruct's loop for m candidates over 10 classes, its
-    products in `precision` (with `compiled`, of torch.compile(recl.reconstruction_losses),
-    its first call timed apart)."""
+def reconstruction_problem(name, input_shape, m, device):
+    """What one step of recl.reconstruct works on, for m candidates over 10 classes: the
+    smooth-ReLU copy of a trained-looking network, its parameters, the displacement
+    target and its scale, the candidates, their labels and lambdas (also for the
+    probes in docs/runs/cost-probes/)."""
     model = trained_looking(name, input_shape, 10, device)
-    cfg = argparse.Namespace(alpha=100.0, lambda_min=0.05)
-    net = models.with_smooth_relu(model, cfg.alpha).eval()
+    net = models.with_smooth_relu(model, 100.0).eval()
     params = {k: v.detach() for k, v in net.named_parameters()}
     target, scale = recl.reconstruction_target(params, models.start_weights(model), "displacement")
     labels = torch.arange(10, device=device).repeat_interleave(m // 10)
     x = (1e-3 * torch.randn(len(labels), *input_shape, device=device)).requires_grad_()
     lam = torch.rand(len(labels), device=device).requires_grad_()
+    return net, params, target, scale, x, labels, lam
+
+
+def reconstruction_step(name, input_shape, m, device, repeats, precision="float32", compiled=False):
+    """Time and count one step of recl.reconstruct's loop for m candidates over 10 classes, its
+    products in `precision` (with `compiled`, of torch.compile(recl.reconstruction_losses),
+    its first call timed apart)."""
+    net, params, target, scale, x, labels, lam = reconstruction_problem(name, input_shape, m, device)
+    lambda_min = 0.05
 
     compute = torch.compile(recl.reconstruction_losses) if compiled else recl.reconstruction_losses
 
@@ -110,7 +119,7 @@ def reconstruction_step(name, input_shape, m, device, repeats, precision="float3
             return compute(*args)
 
     def step():
-        losses = losses_fn(net, params, target, scale, x, labels, lam, cfg.lambda_min)
+        losses = losses_fn(net, params, target, scale, x, labels, lam, lambda_min)
         sum(losses).backward()
         x.grad = lam.grad = None
 
@@ -119,7 +128,7 @@ def reconstruction_step(name, input_shape, m, device, repeats, precision="float3
     synchronise(device)
     first = time.perf_counter() - first
     with CountFlops() as counter:  # the same work in either format; counted uncompiled
-        sum(recl.reconstruction_losses(net, params, target, scale, x, labels, lam, cfg.lambda_min)).backward()
+        sum(recl.reconstruction_losses(net, params, target, scale, x, labels, lam, lambda_min)).backward()
     x.grad = lam.grad = None
     flops = counter.flops
     seconds = timed(step, device, repeats)

@@ -173,7 +173,7 @@ class SmoothBackwardReLU(nn.Module):
     The same derivatives come out of relu(z).detach() + softplus_alpha(z) -
     softplus_alpha(z).detach() with no Function at all, but that form runs four
     element-wise passes forward and more in the double backward; the Function
-    above makes a CNN reconstruction step 13-18% faster (docs/cost.md).
+    above makes a CNN reconstruction step 13 to 28% faster (docs/cost.md).
     """
 
     def __init__(self, alpha):

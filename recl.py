@@ -217,16 +217,13 @@ def keep_earlier(x, lam, labels, earlier_x, earlier_labels, earlier_lam):
 
 
 # The number format of a step (`--rec-precision`). Under torch.autocast the
-# matrix products and convolutions of Eq. 3's double backward run in bfloat16
-# (8 bits of mantissa, products summed in float32) and everything else in
-# float32. The fit does not notice: the relative L_rec of a reconstruction moves
-# in the fourth digit (0.0724 -> 0.0723) and validation ACC stays within seed
-# noise for every method (docs/levers.md, section K), while a step on a CPU
-# with bfloat16 instructions (AVX512-BF16 or AMX) takes 1.6 to 2.4 times less.
-# `auto` (the default) uses it only there: a CPU without them emulates
-# bfloat16, and on a GPU the step at these sizes is bound more by launching
-# kernels than by arithmetic (docs/cost.md) and bfloat16 there is unmeasured,
-# so both keep float32. Training is always float32.
+# matrix products and convolutions of Eq. 3's double backward take bfloat16
+# inputs (summed in float32); the rest stays float32. The fit does not notice
+# (relative L_rec 0.0724 -> 0.0723, validation ACC within seed noise for every
+# method; docs/levers.md, K), and on a CPU with bfloat16 instructions
+# (AVX512-BF16 or AMX) a step takes 1.6 to 2.4 times less. `auto`, the
+# default, uses it only there: other CPUs would emulate it, and on a GPU it is
+# unmeasured. Training is always float32.
 
 def reconstruction_precision(choice, device):
     """'float32' or 'bfloat16' for `--rec-precision` choice ('auto' or either) on `device`."""
@@ -271,7 +268,7 @@ def reconstruct(model, labels, input_shape, cfg, log=print, earlier=None):
 
     last_finite = new_x.detach().clone(), new_lam.detach().clone()
     report_every = max(1, cfg.n_rec // 4)  # a progress line at each quarter
-    in_bfloat16 = reconstruction_precision(getattr(cfg, "rec_precision", "auto"), device) == "bfloat16"
+    in_bfloat16 = reconstruction_precision(cfg.rec_precision, device) == "bfloat16"
     for step in range(cfg.n_rec):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=in_bfloat16):
             l_rec, l_lambda, l_prior = reconstruction_losses(net, params, target, scale, new_x, new_labels, new_lam,

@@ -5,16 +5,9 @@ against eager: the first call (compiling) and the best of 3 steps after it.
 """
 import sys, time, torch
 sys.path.insert(0, '.')
-import models, recl, benchmark
+import recl, benchmark
 torch.set_num_threads(2)
-m = 200
-model = benchmark.trained_looking("cnn", (3, 32, 32), 10, torch.device("cpu"))
-net = models.with_smooth_relu(model, 100.).eval()
-params = {k: v.detach() for k, v in net.named_parameters()}
-target, scale = recl.reconstruction_target(params, models.start_weights(model), "displacement")
-labels = torch.arange(10).repeat_interleave(m // 10)
-x = (1e-3 * torch.randn(len(labels), 3, 32, 32)).requires_grad_()
-lam = torch.rand(len(labels)).requires_grad_()
+net, params, target, scale, x, labels, lam = benchmark.reconstruction_problem("cnn", (3, 32, 32), 200, torch.device("cpu"))
 compiled = torch.compile(recl.reconstruction_losses)
 for name, fn in (("eager", recl.reconstruction_losses), ("compiled", compiled)):
     def step():

@@ -1,16 +1,10 @@
-# Probe (docs/cost.md), run from the repository root at e57c1a2: python docs/runs/cost-probes/profile_cnn_step.py
-import sys, time, torch
+# Probe (docs/cost.md), first run from the repository root at e57c1a2: python docs/runs/cost-probes/profile_cnn_step.py
+# (float32; its setup is benchmark.reconstruction_problem since 2026-11-23, the same network and candidates)
+import sys, torch
 sys.path.insert(0, '.')
-import models, recl, benchmark
+import recl, benchmark
 from torch.profiler import profile, ProfilerActivity
-m = 200
-model = benchmark.trained_looking("cnn", (3, 32, 32), 10, torch.device("cpu"))
-net = models.with_smooth_relu(model, 100.).eval()
-params = {k: v.detach() for k, v in net.named_parameters()}
-target, scale = recl.reconstruction_target(params, models.start_weights(model), "displacement")
-labels = torch.arange(10).repeat_interleave(m // 10)
-x = (1e-3 * torch.randn(len(labels), 3, 32, 32)).requires_grad_()
-lam = torch.rand(len(labels)).requires_grad_()
+net, params, target, scale, x, labels, lam = benchmark.reconstruction_problem("cnn", (3, 32, 32), 200, torch.device("cpu"))
 def step():
     l = recl.reconstruction_losses(net, params, target, scale, x, labels, lam, 0.05)
     sum(l).backward(); x.grad = lam.grad = None

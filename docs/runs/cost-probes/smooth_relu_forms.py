@@ -2,62 +2,59 @@
 
     python docs/runs/cost-probes/smooth_relu_forms.py     # from the repository root, 2 threads
 
-"softplus": relu(z).detach() + softplus(z) - softplus(z).detach() (models.py until
-commit edea89c); "function": the autograd.Function models.py has now (copied here so
-the probe runs at any commit). MLP and CNN at m = 200, float32 and bfloat16: both
-forms built, each warmed up twice, then 8 rounds that alternate which form goes
-first; median seconds per step, and the relative difference of the candidates'
-gradients. (Timing one form after the other in one process favours the second:
-the first pays for warming the allocator and the oneDNN kernels.)
+"function": models.SmoothBackwardReLU, an autograd.Function since commit f240c32;
+"softplus": relu(z).detach() + softplus(z) - softplus(z).detach() (models.py before
+that), swapped into the same network here. MLP and CNN at m = 200, float32 and
+bfloat16: both forms built, each warmed up twice, then 8 rounds that alternate
+which form goes first; median seconds per step, and the relative difference of the
+candidates' gradients. (Timing one form after the other in one process favours the
+second: the first pays for warming the allocator and the oneDNN kernels.)
 """
-import sys, time, statistics, torch
-sys.path.insert(0, '.')
+import statistics
+import sys
+import time
+
+import torch
 import torch.nn as nn
-import models, recl, benchmark
+import torch.nn.functional as F
+
+sys.path.insert(0, '.')
+import benchmark, models, recl  # noqa: E402
+
 torch.set_num_threads(2)
 
-class Fn(torch.autograd.Function):
-    generate_vmap_rule = True
-    @staticmethod
-    def forward(z, alpha):
-        return z.clamp_min(0)
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        z, ctx.alpha = inputs
-        ctx.save_for_backward(z)
-    @staticmethod
-    def backward(ctx, g):
-        (z,) = ctx.saved_tensors
-        return g * torch.sigmoid(ctx.alpha * z), None
 
-class FnReLU(nn.Module):
+class SoftplusReLU(nn.Module):
     def __init__(self, alpha):
-        super().__init__(); self.alpha = alpha
-    def forward(self, z):
-        return Fn.apply(z, self.alpha)
+        super().__init__()
+        self.alpha = alpha
 
-def make_step(name, shape, m, form, prec):
-    model = benchmark.trained_looking(name, shape, 10, torch.device("cpu"))
-    net = models.with_smooth_relu(model, 100.).eval()
-    if form == "function":
+    def forward(self, z):
+        smooth = F.softplus(z, beta=self.alpha)
+        return torch.relu(z).detach() + smooth - smooth.detach()
+
+
+def make_step(name, shape, form, prec):
+    net, params, target, scale, x, labels, lam = benchmark.reconstruction_problem(name, shape, 200, torch.device("cpu"))
+    if form == "softplus":
         for parent in net.modules():
-            for n, child in parent.named_children():
+            for child_name, child in parent.named_children():
                 if isinstance(child, models.SmoothBackwardReLU):
-                    setattr(parent, n, FnReLU(100.))
-    params = {k: v.detach() for k, v in net.named_parameters()}
-    target, scale = recl.reconstruction_target(params, models.start_weights(model), "displacement")
-    labels = torch.arange(10).repeat_interleave(m // 10)
-    x = (1e-3 * torch.randn(len(labels), *shape, generator=torch.Generator().manual_seed(1))).requires_grad_()
-    lam = torch.rand(len(labels), generator=torch.Generator().manual_seed(2)).requires_grad_()
+                    setattr(parent, child_name, SoftplusReLU(child.alpha))
+    with torch.no_grad():  # the same candidates and lambdas for both forms
+        x.copy_(1e-3 * torch.randn(x.shape, generator=torch.Generator().manual_seed(1)))
+        lam.copy_(torch.rand(lam.shape, generator=torch.Generator().manual_seed(2)))
+
     def step():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=prec == "bfloat16"):
             l = recl.reconstruction_losses(net, params, target, scale, x, labels, lam, 0.05)
         sum(l).backward(); g = x.grad.clone(); x.grad = lam.grad = None; return g
     return step
 
+
 for name, shape in (("mlp", (1, 28, 28)), ("cnn", (3, 32, 32))):
     for prec in ("float32", "bfloat16"):
-        steps = {f: make_step(name, shape, 200, f, prec) for f in ("softplus", "function")}
+        steps = {f: make_step(name, shape, f, prec) for f in ("softplus", "function")}
         grads = {f: s() for f, s in steps.items()}
         for s in steps.values(): s(); s()
         times = {f: [] for f in steps}

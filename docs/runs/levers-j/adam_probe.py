@@ -23,7 +23,7 @@ if opt_name == "adam":
         calls.append(1)
         return torch.optim.Adam(params, lr=lrx) if len(calls) == 1 else sgd(params, lr=lr, momentum=momentum)
     recl.torch.optim.SGD = patched
-cfg = argparse.Namespace(alpha=100.0, sigma_x=1e-3, seed=0, rec_target="displacement", lr_x=lrx, lr_lambda=0.1,
+cfg = argparse.Namespace(alpha=100.0, rec_precision="float32", sigma_x=1e-3, seed=0, rec_target="displacement", lr_x=lrx, lr_lambda=0.1,
                          lambda_min=0.05, n_rec=n_rec)
 labels = torch.arange(2).repeat_interleave(100)
 start = time.time()

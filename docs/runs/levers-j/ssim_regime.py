@@ -27,7 +27,7 @@ for e in range(epochs):
             b = perm[i:i+64]; opt.zero_grad(); loss = F.cross_entropy(model(x[b]), y[b]); loss.backward(); opt.step()
 with torch.no_grad():
     loss = F.cross_entropy(model(x), y).item(); acc = (model(t1.x_test).argmax(1) == t1.y_test).float().mean().item()
-cfg = argparse.Namespace(alpha=100.0, sigma_x=1e-3, seed=0, rec_target=target, lr_x=lrx, lr_lambda=0.1,
+cfg = argparse.Namespace(alpha=100.0, rec_precision="float32", sigma_x=1e-3, seed=0, rec_target=target, lr_x=lrx, lr_lambda=0.1,
                          lambda_min=0.05, n_rec=n_rec)
 labels = torch.arange(2).repeat_interleave(mper)
 xr, lr_, lam, rep = recl.reconstruct(model, labels, x.shape[1:], cfg, log=lambda *a: None)
