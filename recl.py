@@ -159,6 +159,14 @@ def weighted_gradient_sum(model, params, x, y, lam, m=None):
 # the displacement target's relative L_rec takes 3. On tiny inputs (16 pixels
 # in the tests) 3 can diverge; the run then keeps the last finite candidates.
 DEFAULT_LR_X = {"weights": 1.0, "displacement": 3.0}
+# Model inversion (below) sums a cross-entropy per candidate, whose gradients
+# are far larger: its own step size per scenario, chosen on validation
+# (docs/attribution.md), so that the control is as good as it can be.
+INVERSION_LR_X = {"cil": 0.003, "dil": 0.001}
+
+
+def default_lr_x(objective, target, scenario):
+    return INVERSION_LR_X[scenario] if objective == "inversion" else DEFAULT_LR_X[target]
 
 
 def reconstruction_target(params, start, target):
@@ -174,13 +182,35 @@ def reconstruction_target(params, start, target):
 
 
 def reconstruction_losses(model, params, target, scale, x, y, lam, lambda_min, m=None):
-    """L_rec (times `scale`), L_lambda and L_prior of Eq. 3-5, for m candidates of which
-    `x` are the ones being optimised (`target` already less the fixed ones' part)."""
+    """L_rec (times `scale`), L_lambda and L_prior of Eq. 3-5, by name, for m candidates of
+    which `x` are the ones being optimised (`target` already less the fixed ones' part)."""
     combination = weighted_gradient_sum(model, params, x, y, lam, m)
-    l_rec = scale * sum((target[k] - combination[k]).pow(2).sum() for k in params)
-    l_lambda = 5 * F.relu(lambda_min - lam).pow(2).sum()
-    l_prior = F.relu(x.abs() - 1).pow(2).sum()
-    return l_rec, l_lambda, l_prior
+    return {"rec": scale * sum((target[k] - combination[k]).pow(2).sum() for k in params),
+            "lambda": 5 * F.relu(lambda_min - lam).pow(2).sum(),
+            "prior": image_prior(x)}
+
+
+def image_prior(x):
+    """L_prior (Eq. 5): keep every pixel of the candidates inside [-1, 1]."""
+    return F.relu(x.abs() - 1).pow(2).sum()
+
+
+# The control: model inversion (`--rec-objective inversion`). Is it Eq. 3
+# that makes the candidates useful, or would any optimisation that makes the
+# model recognise them as their labels do? Model inversion (Simonyan et al.
+# 2014; DeepInversion, Yin et al. 2020, without its batch-norm term, since our
+# networks have none) asks only the second:
+#
+#   L_inv = sum_i CE(f(x_i), y_i) + L_prior
+#
+# over the same candidates, labels, optimiser, steps, kept candidates, filter
+# and replay noise; no lambdas, no stationarity condition, and one backward
+# pass per step instead of a double one. docs/attribution.md compares the two.
+
+def inversion_losses(model, params, x, y):
+    """L_inv's two terms by name: cross-entropy of the candidates' own labels, and L_prior."""
+    logits = functional_call(model, params, (x,))
+    return {"ce": F.cross_entropy(logits, y, reduction="sum"), "prior": image_prior(x)}
 
 
 def candidate_labels(n_outputs, m_per_class, n_old_tasks, scenario):
@@ -255,7 +285,7 @@ def reconstruct(model, labels, input_shape, cfg, log=print, earlier=None):
         x, lam, fixed = keep_earlier(x, lam, labels.cpu(), *(v.cpu() for v in earlier))
     x, lam, labels, fixed, m = x.to(device), lam.to(device), labels.to(device), fixed.to(device), len(labels)
     target_sq_norm = sum(v.pow(2).sum() for v in target.values()).item()
-    if fixed.any():
+    if fixed.any() and cfg.rec_objective != "inversion":  # inversion sums nothing over candidates
         # The fixed candidates' share of Eq. 3's sum does not change during the
         # optimisation: compute it once, and let the new candidates fit what it
         # leaves of the target. Each step then differentiates through the new
@@ -271,11 +301,16 @@ def reconstruct(model, labels, input_shape, cfg, log=print, earlier=None):
     in_bfloat16 = reconstruction_precision(cfg.rec_precision, device) == "bfloat16"
     for step in range(cfg.n_rec):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=in_bfloat16):
-            l_rec, l_lambda, l_prior = reconstruction_losses(net, params, target, scale, new_x, new_labels, new_lam,
-                                                             cfg.lambda_min, m)
-        loss = l_rec + l_lambda + l_prior
+            if cfg.rec_objective == "inversion":
+                terms = inversion_losses(net, params, new_x, new_labels)
+            else:
+                terms = reconstruction_losses(net, params, target, scale, new_x, new_labels, new_lam,
+                                              cfg.lambda_min, m)
+                if cfg.ce_weight:
+                    terms["ce"] = cfg.ce_weight * inversion_losses(net, params, new_x, new_labels)["ce"]
+        loss = sum(terms.values())
         if step == 0:
-            first_loss, first_l_rec = loss.item(), l_rec.item()
+            first_loss, first_terms = loss.item(), {k: v.item() for k, v in terms.items()}
         if not torch.isfinite(loss):  # diverged: fall back to the last candidates with a finite loss
             log(f"    reconstruction stopped at step {step}: the loss is not finite")
             new_x, new_lam = last_finite
@@ -293,7 +328,7 @@ def reconstruct(model, labels, input_shape, cfg, log=print, earlier=None):
     finite = torch.isfinite(x.flatten(1)).all(1)  # never hand NaNs to training
     report = {"candidates": m, "optimised": int((~fixed).sum()), "kept": int(finite.sum()), "steps": step + 1,
               "first_loss": first_loss, "last_loss": loss.item(),
-              "first_l_rec": first_l_rec, "last_l_rec": l_rec.item(),
+              "first_terms": first_terms, "last_terms": {k: v.item() for k, v in terms.items()},
               "target_sq_norm": target_sq_norm,
               "seconds": round(time.time() - start, 2)}
     return x[finite], labels[finite], lam[finite], report
@@ -545,8 +580,15 @@ def report_reconstruction(name, old_tasks, x_rec, cfg, mean_image, log=print):
     return {"task": task, **quality}
 
 
+def variant_name(method, use_recl, objective="stationarity"):
+    """'gpm', 'gpm+recl', or 'gpm+inversion' for ReCL's pipeline with the inversion control."""
+    return method + ({"stationarity": "+recl", "inversion": "+inversion"}[objective] if use_recl else "")
+
+
 def run_continual(cfg, tasks, method, use_recl, log=print, mean_image=None):
     """Train one model through all tasks (ReCL optional); return the run's record."""
+    if method == "joint":  # the upper bound has no stream of tasks: see run_jointly
+        return run_jointly(cfg, tasks, log)
     start = time.time()
     torch.manual_seed(cfg.seed)  # the same init and shuffles for both variants
     device = torch.device(cfg.device)
@@ -556,7 +598,7 @@ def run_continual(cfg, tasks, method, use_recl, log=print, mean_image=None):
     per_task = len(tasks[0].classes)
     model = models.build_model(cfg.model, tasks[0].x_train.shape[1:], per_task).to(device)
     hooks, state = strategies.STRATEGIES[method], strategies.new_state(method, **cfg.hp)
-    name = method + ("+recl" if use_recl else "")
+    name = variant_name(method, use_recl, cfg.rec_objective)
     R = [[None] * len(tasks) for _ in tasks]
     reconstructions, recon_quality, earlier, diverged = [], [], None, None
     phases = dict.fromkeys(["reconstruct", "quality_report", "train", "evaluate"], 0.0)  # where the time goes
@@ -616,6 +658,31 @@ def run_continual(cfg, tasks, method, use_recl, log=print, mean_image=None):
             "recon_quality": recon_quality, "phase_seconds": {k: round(v, 2) for k, v in phases.items()}}
 
 
+def run_jointly(cfg, tasks, log=print):
+    """The upper bound (`--method joint`): one model trained on every task's training images
+    at once, as if nothing were ever forgotten. Its record has one row of test accuracies,
+    one per task; BWT does not apply (no task came first), and neither does ReCL."""
+    start = time.time()
+    torch.manual_seed(cfg.seed)
+    device = torch.device(cfg.device)
+    tasks = [data.Task(t.classes, *(v.to(device) for v in t[1:])) for t in tasks]
+    n_outputs = len(tasks[0].classes) * (len(tasks) if cfg.scenario == "cil" else 1)
+    model = models.build_model(cfg.model, tasks[0].x_train.shape[1:], n_outputs).to(device)
+    x, y = torch.cat([t.x_train for t in tasks]), torch.cat([t.y_train for t in tasks])
+    acc, row, diverged = None, None, None
+    try:
+        loss = train_task(model, x, y, {}, {}, cfg)
+        row = [accuracy(model, t.x_test, t.y_test) for t in tasks]
+        acc = sum(row) / len(row)
+        log(f"  [joint] all {len(tasks)} tasks at once: loss {loss:.3f}, acc {' '.join(f'{a:.1f}' for a in row)}")
+    except Diverged as err:
+        diverged = str(err)
+        log(f"  [joint] diverged, {err}")
+    return {"method": "joint", "recl": False, "scenario": cfg.scenario, "dataset": dataset_name(cfg.dataset),
+            "seed": cfg.seed, "acc_matrix": [row], "ACC": acc, "BWT": None, "diverged": diverged,
+            "seconds": round(time.time() - start, 2), "reconstructions": [], "recon_quality": []}
+
+
 # -----------------------------------------------------------------------------
 # 3b. Choosing a method's hyperparameters (paper App. F: on validation data)
 # -----------------------------------------------------------------------------
@@ -636,7 +703,7 @@ def tune_method(cfg, log=print):
     grid = {**strategies.TRAINING_GRID, **strategies.SEARCH_GRID[cfg.method]}
     combos = list(itertools.product(*grid.values()))
     picks = torch.randperm(len(combos), generator=torch.Generator().manual_seed(cfg.seed))[:cfg.trials]
-    log(f"tuning {cfg.method}{'+recl' if use_recl else ''} | {cfg.scenario} | {cfg.dataset} | seed {cfg.seed}: "
+    log(f"tuning {variant_name(cfg.method, use_recl, cfg.rec_objective)} | {cfg.scenario} | {cfg.dataset} | seed {cfg.seed}: "
         f"{len(picks)} of {len(combos)} settings, scored on validation data")
     trials = []
     for number, pick in enumerate(picks.tolist()):
@@ -648,7 +715,7 @@ def tune_method(cfg, log=print):
         trials.append({"settings": chosen, "val_ACC": record["ACC"], "val_BWT": record["BWT"],
                        "seconds": record["seconds"], "diverged": record["diverged"]})
         outcome = (f"diverged ({record['diverged']})" if record["diverged"]
-                   else f"validation ACC {record['ACC']:.2f} BWT {record['BWT']:.2f}")
+                   else f"validation ACC {record['ACC']:.2f}")
         log(f"  trial {number + 1}/{len(picks)}: " + " ".join(f"{k} {v:g}" for k, v in chosen.items())
             + f" -> {outcome} ({record['seconds']:.0f}s)")
     return sorted(trials, key=trial_score, reverse=True)  # a diverged trial is a failed one: last
@@ -662,7 +729,7 @@ def trial_score(trial):
 # 4. The command line
 # =============================================================================
 
-METHODS = list(strategies.STRATEGIES)
+METHODS = list(strategies.STRATEGIES) + ["joint"]
 MNIST_SUBSET_PER_CLASS = 500
 
 
@@ -737,15 +804,27 @@ def make_parser():
                    help="candidates per old class (default: --n-per-class; in DIL per class and old task)")
     g.add_argument("--n-rec", type=int, default=100, help="reconstruction steps before each task")
     g.add_argument("--sigma-x", type=float, default=1e-3, help="std of the initial random candidates")
+    g.add_argument("--rec-objective", choices=["stationarity", "inversion"], default="stationarity",
+                   help="what the candidates minimise: Eq. 3-6, or plain model inversion (cross-entropy of "
+                        "their labels and Eq. 5; a control, see recl.py, part 1)")
+    g.add_argument("--ce-weight", type=float, default=0.0,
+                   help="add this weight times the inversion's cross-entropy to Eq. 6 (a study lever)")
     g.add_argument("--lr-x", type=float, default=None,
-                   help="step size for the candidates (default: 3 for the displacement target, 1 for weights)")
-    g.add_argument("--rec-target", choices=["weights", "displacement"], default="displacement",
-                   help="fit theta - theta_0 or theta itself, as Eq. 3 is written (see recl.py, part 1)")
-    g.add_argument("--freeze-old", action=argparse.BooleanOptionalAction, default=True,
+                   help="step size for the candidates (default: 3 for the displacement target, 1 for weights, "
+                        "0.003 (CIL) and 0.001 (DIL) for inversion)")
+    g.add_argument("--rec-target", choices=["weights", "displacement"], default=None,
+                   help="fit theta - theta_0 or theta itself, as Eq. 3 is written (see recl.py, part 1) "
+                        "(default: displacement; weights with --paper)")
+    g.add_argument("--freeze-old", action=argparse.BooleanOptionalAction, default=None,
                    help="classes reconstructed before keep those candidates, fixed; only the classes "
-                        "of the task just learned start from noise (--no-freeze-old: all, as in the paper)")
-    g.add_argument("--filter", action=argparse.BooleanOptionalAction, default=True,
-                   help="train only on candidates the model classifies as their label")
+                        "of the task just learned start from noise (default: on; off with --paper)")
+    g.add_argument("--filter", action=argparse.BooleanOptionalAction, default=None,
+                   help="train only on candidates the model classifies as their label "
+                        "(default: on; off with --paper)")
+    g.add_argument("--paper", action="store_true",
+                   help="the paper's method as written: Eq. 3 on the weights, every class reconstructed "
+                        "afresh, no filter, no replay noise, the method's own lr and epochs; flags given "
+                        "explicitly still win")
     g.add_argument("--replay-noise", type=float, default=None,
                    help="std of the fresh noise on replayed reconstructions, in units of the task's pixel std "
                         f"(0: none; default {strategies.DEFAULT_REPLAY_NOISE}, 0 for GPM: strategies.TUNED_RECL)")
@@ -818,12 +897,20 @@ def check_args(cfg):
         raise UsageError("--device cuda was asked for but no CUDA device is available")
 
 
+# --paper: the departures of part 1 switched off, each unless its flag is given.
+TODAYS_DEFAULTS = {"rec_target": "displacement", "freeze_old": True, "filter": True}
+PAPER_PRESET = {"rec_target": "weights", "freeze_old": False, "filter": False}
+
+
 def resolve_defaults(cfg):
     """Fill in what depends on other flags or on the machine (after check_args)."""
     if cfg.device == "auto":
         cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg.m = cfg.m or cfg.n_per_class or 100
-    cfg.lr_x = cfg.lr_x or DEFAULT_LR_X[cfg.rec_target]
+    for key, value in (PAPER_PRESET if cfg.paper else TODAYS_DEFAULTS).items():
+        if getattr(cfg, key) is None:
+            setattr(cfg, key, value)
+    cfg.lr_x = cfg.lr_x or default_lr_x(cfg.rec_objective, cfg.rec_target, cfg.scenario)
     cfg.rec_precision = reconstruction_precision(cfg.rec_precision, torch.device(cfg.device))
     cfg.classes_per_task = cfg.classes_per_task or (20 if cfg.dataset == "tinyimagenet" else 2)
     return cfg
@@ -833,9 +920,9 @@ def run_config(cfg, seed, use_recl):
     """The settings one run uses, as its JSON records them: what the command line left open
     filled in from the method's settings (strategies.settings), which differ for the method
     and its +ReCL variant."""
-    chosen = strategies.settings(cfg.method, cfg.scenario, use_recl)
+    chosen = strategies.settings(cfg.method, cfg.scenario, use_recl and not cfg.paper)
     # a reconstruction setting: both variants record the value the +ReCL variant uses
-    noise = strategies.settings(cfg.method, cfg.scenario, recl=True)["replay_noise"]
+    noise = 0.0 if cfg.paper else strategies.settings(cfg.method, cfg.scenario, recl=True)["replay_noise"]
     return argparse.Namespace(**{**vars(cfg), "seed": seed, "lr": chosen["lr"] if cfg.lr is None else cfg.lr,
                                  "epochs": chosen["epochs"] if cfg.epochs is None else cfg.epochs,
                                  "replay_noise": noise if cfg.replay_noise is None else cfg.replay_noise,
@@ -863,13 +950,14 @@ def dataset_name(dataset):
 
 
 def result_path(out, cfg, method, use_recl, seed):
-    variant = ("+recl" + ("" if cfg.tuning == "naive" else f"-{cfg.tuning}")) if use_recl else ""
+    variant = variant_name("", use_recl, cfg.rec_objective) + ("" if cfg.tuning == "naive" or not use_recl
+                                                                else f"-{cfg.tuning}")
     split = "-validation" if cfg.validation else ""
     return Path(out) / f"{dataset_name(cfg.dataset)}-{cfg.scenario}-{method}{variant}{split}-seed{seed}.json"
 
 
 def tuning_path(cfg):
-    name = cfg.method + ("+recl" if cfg.variant == "recl" else "")
+    name = variant_name(cfg.method, cfg.variant == "recl", cfg.rec_objective)
     return Path(cfg.out) / f"{dataset_name(cfg.dataset)}-{cfg.scenario}-{name}-tuning-seed{cfg.seed}.json"
 
 
@@ -894,7 +982,8 @@ def write_json_atomically(path, record):
 # change the numbers are left out of the comparison; so is the machine (CPU and
 # GPU give the same results up to seed noise, and the JSON's "provenance" says
 # which made it). A change of code without a change of settings is not detected:
-# the provenance's commit records it.
+# the provenance's commit records it. A flag added after a run was made counts
+# as its default for that run.
 
 NOT_SETTINGS = {"device", "out", "quiet", "seeds", "variant", "data_root", "aggregate", "pending", "queue",
                 "save_images", "tune"}
@@ -945,6 +1034,8 @@ def pending_runs(lines, report=print):
         except (OSError, ValueError):
             recorded = {}
         wanted = settings_of(vars(run_config(cfg, cfg.seed, use_recl)))
+        if recorded:  # a flag added after the run was made: the run had its default
+            recorded = {**settings_of(vars(make_parser().parse_args([]))), **recorded}
         if recorded != wanted:
             report(f"stale: {path} ({differences(recorded, wanted) or 'no settings recorded'})")
             todo.append(line)
@@ -997,19 +1088,29 @@ def mean_std(values):
 
 def run_name(record):
     tuning = record.get("config", {}).get("tuning", "naive")
-    return record["method"] + ("+recl" + ("" if tuning == "naive" else f" ({tuning})") if record["recl"] else "")
+    objective = record.get("config", {}).get("rec_objective", "stationarity")
+    name = variant_name(record["method"], record["recl"], objective)
+    return name + ("" if tuning == "naive" or not record["recl"] else f" ({tuning})")
 
 
 def summary_table(records):
-    """Markdown: one row per method variant, mean(std) over seeds as in the paper's tables.
-    Diverged runs are listed under the table and never averaged."""
-    rows = ["| method | seeds | ACC | BWT | seconds |", "|---|---|---|---|---|"]
+    """Markdown: one row per method variant, mean(std) over seeds as in the paper's tables,
+    with the reconstructions' mean nearest-pair SSIM and seconds for the variants that make
+    them. Diverged runs are listed under the table and never averaged."""
+    rows = ["| method | seeds | ACC | BWT | SSIM | reconstruction s | seconds |", "|---|---|---|---|---|---|---|"]
     finished = [r for r in records if not r.get("diverged")]
+
+    def cell(values, digits=2):
+        return "" if not values or None in values else "{:.{d}f} ({:.{d}f})".format(*mean_std(values), d=digits)
+
     for name in dict.fromkeys(run_name(r) for r in finished):
         runs = [r for r in finished if run_name(r) == name]
-        acc, bwt = ("{:.2f} ({:.2f})".format(*mean_std([r[key] for r in runs])) for key in ("ACC", "BWT"))
+        ssim_ = [statistics.mean(q["mean_ssim"] for q in r["recon_quality"]) for r in runs if r.get("recon_quality")]
+        rec_s = [r["phase_seconds"]["reconstruct"] for r in runs if r["recl"] and "phase_seconds" in r]
         seconds = statistics.mean(r["seconds"] for r in runs)
-        rows.append(f"| {name} | {len(runs)} | {acc} | {bwt} | {seconds:.1f} |")
+        rows.append(f"| {name} | {len(runs)} | {cell([r['ACC'] for r in runs])} | "
+                    f"{cell([r['BWT'] for r in runs]) or 'n/a'} | {cell(ssim_, 3)} | {cell(rec_s, 1)} | "
+                    f"{seconds:.1f} |")
     rows += [f"\nDiverged, not averaged: {run_name(r)} seed {r['seed']} ({r['diverged']})"
              for r in records if r.get("diverged")]
     return "\n".join(rows)
@@ -1051,23 +1152,27 @@ PAPER_ACC = {
 }
 
 
+CHART_VARIANTS = (("", "#9e9e9e", "method"), ("+recl", "#1f77b4", "+ReCL"), ("+inversion", "#ff7f0e", "+inversion"))
+
+
 def chart_svg(records, dataset):
-    """An SVG bar chart, written by hand: mean ACC per method without (grey) and with ReCL
-    (blue), one panel per scenario, whiskers of one std, and the paper's value as a black tick."""
+    """An SVG bar chart, written by hand: mean ACC per method alone (grey), with ReCL (blue)
+    and with the inversion control (orange), one panel per scenario, whiskers of one std,
+    and the paper's value as a black tick."""
     from xml.sax.saxutils import escape
     finished = [r for r in records if not r.get("diverged") and r["dataset"] == dataset
                 and r.get("config", {}).get("tuning", "naive") == "naive"]
     scenarios = [s for s in ("cil", "dil") if any(r["scenario"] == s for r in finished)]
     order = {m: i for i, m in enumerate(METHODS)}
-    panel_w, top, plot_h, bar_w = 430, 70, 240, 18
+    panel_w, top, plot_h, bar_w = 430, 70, 240, 14
     y = lambda acc: top + plot_h * (1 - acc / 100)
+    legend = "".join(f'<rect x="{10 + 90 * i}" y="28" width="10" height="10" fill="{colour}"/>'
+                     f'<text x="{24 + 90 * i}" y="37">{label}</text>' for i, (_, colour, label) in enumerate(CHART_VARIANTS))
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{panel_w * len(scenarios) + 20}" height="{top + plot_h + 30}"'
              ' font-family="sans-serif" font-size="11">',
-             f'<text x="10" y="18" font-size="14">{escape(dataset)}: mean ACC over seeds, without and with ReCL</text>',
-             '<rect x="10" y="28" width="10" height="10" fill="#9e9e9e"/><text x="24" y="37">method</text>',
-             '<rect x="80" y="28" width="10" height="10" fill="#1f77b4"/><text x="94" y="37">method+ReCL</text>',
-             '<line x1="180" y1="33" x2="194" y2="33" stroke="black" stroke-width="3"/>'
-             '<text x="198" y="37">the paper (Tables 1, 2)</text><text x="340" y="37">whiskers: one std</text>']
+             f'<text x="10" y="18" font-size="14">{escape(dataset)}: mean ACC over seeds</text>', legend,
+             '<line x1="280" y1="33" x2="294" y2="33" stroke="black" stroke-width="3"/>'
+             '<text x="298" y="37">the paper (Tables 1, 2)</text><text x="440" y="37">whiskers: one std</text>']
     for p, scenario in enumerate(scenarios):
         x0 = 20 + 30 + p * panel_w
         runs = [r for r in finished if r["scenario"] == scenario]
@@ -1078,25 +1183,25 @@ def chart_svg(records, dataset):
             parts.append(f'<line x1="{x0 - 4}" y1="{y(tick):.1f}" x2="{x0 + panel_w - 50}" y2="{y(tick):.1f}" '
                          f'stroke="#ddd"/><text x="{x0 - 8}" y="{y(tick) + 4:.1f}" text-anchor="end">{tick}</text>')
         for i, method in enumerate(methods):
-            gx = x0 + i * group_w + (group_w - 2 * bar_w) / 2
-            for v, use_recl in enumerate((False, True)):
-                accs = [r["ACC"] for r in runs if r["method"] == method and r["recl"] == use_recl]
+            gx = x0 + i * group_w + (group_w - len(CHART_VARIANTS) * bar_w) / 2
+            for v, (suffix, colour, _) in enumerate(CHART_VARIANTS):
+                name = method + suffix
+                accs = [r["ACC"] for r in runs if run_name(r) == name]
                 bx = gx + v * bar_w
                 if accs:
                     mean, std = mean_std(accs)
-                    name = method + ("+recl" if use_recl else "")
                     parts.append(f'<rect class="bar" data-method="{name}" data-scenario="{scenario}" x="{bx:.1f}" '
                                  f'y="{y(mean):.1f}" width="{bar_w - 2}" height="{y(0) - y(mean):.1f}" '
-                                 f'fill="{"#1f77b4" if use_recl else "#9e9e9e"}"><title>{name} {scenario.upper()}: '
+                                 f'fill="{colour}"><title>{name} {scenario.upper()}: '
                                  f'{mean:.2f} ({std:.2f}), {len(accs)} seeds</title></rect>')
                     cx = bx + (bar_w - 2) / 2
                     parts.append(f'<line x1="{cx:.1f}" y1="{y(min(100, mean + std)):.1f}" x2="{cx:.1f}" '
                                  f'y2="{y(max(0, mean - std)):.1f}" stroke="#333"/>')
-                paper = PAPER_ACC.get(scenario, {}).get(method) if dataset == "mnist" else None
+                paper = PAPER_ACC.get(scenario, {}).get(method) if dataset == "mnist" and v < 2 else None
                 if paper:  # drawn last, over the bar
                     parts.append(f'<line class="paper" x1="{bx - 2:.1f}" y1="{y(paper[v]):.1f}" x2="{bx + bar_w:.1f}" '
                                  f'y2="{y(paper[v]):.1f}" stroke="black" stroke-width="3"/>')
-            parts.append(f'<text x="{gx + bar_w:.1f}" y="{top + plot_h + 16}" text-anchor="middle">'
+            parts.append(f'<text x="{gx + 1.5 * bar_w:.1f}" y="{top + plot_h + 16}" text-anchor="middle">'
                          f'{escape(method)}</text>')
     parts.append("</svg>")
     return "\n".join(parts) + "\n"
@@ -1134,7 +1239,7 @@ def aggregate(folder):
 def tune_and_report(cfg, log):
     """--tune: run the validation search, save every trial, print the winner."""
     trials = tune_method(cfg, log)
-    name = cfg.method + ("+recl" if cfg.variant == "recl" else "")
+    name = variant_name(cfg.method, cfg.variant == "recl", cfg.rec_objective)
     path = tuning_path(cfg)
     write_json_atomically(path, {"method": name, "scenario": cfg.scenario, "dataset": dataset_name(cfg.dataset),
                                  "seed": cfg.seed, "trials": trials, "config": vars(cfg),
@@ -1161,6 +1266,8 @@ def main(argv=None):
     if cfg.tune:
         return tune_and_report(cfg, log)
     variants = {"both": [False, True], "base": [False], "recl": [True]}[cfg.variant]
+    if cfg.method == "joint":  # one model on all tasks at once: nothing to reconstruct
+        variants = [False]
     records, failed = [], []
     for seed in range(cfg.seed, cfg.seed + cfg.seeds):
         tasks, class_order, mean_image = data.make_tasks(cfg.dataset, seed, cfg.n_per_class, cfg.scenario,
@@ -1169,7 +1276,7 @@ def main(argv=None):
             tasks = data.validation_split(tasks, 0.2, seed)
         for use_recl in variants:
             run_cfg = run_config(cfg, seed, use_recl)
-            name = cfg.method + ("+recl" if use_recl else "")
+            name = variant_name(cfg.method, use_recl, cfg.rec_objective)
             log(f"{name} | {cfg.scenario} | {cfg.dataset} | seed {seed} | class order {class_order}")
             record = run_continual(run_cfg, tasks, cfg.method, use_recl, log, mean_image)
             record.update(class_order=class_order, config=vars(run_cfg), provenance=provenance())
@@ -1179,7 +1286,8 @@ def main(argv=None):
                 failed.append(f"{name} {cfg.scenario} seed {seed} diverged: {record['diverged']} "
                               f"(lr {run_cfg.lr:g}); marked so in {path}, never averaged")
                 continue
-            print(f"{name} {cfg.scenario} seed {seed}: ACC {record['ACC']:.2f} BWT {record['BWT']:.2f} "
+            bwt = "n/a" if record["BWT"] is None else f"{record['BWT']:.2f}"
+            print(f"{name} {cfg.scenario} seed {seed}: ACC {record['ACC']:.2f} BWT {bwt} "
                   f"in {record['seconds']:.0f}s -> {path}", flush=True)
             records.append(record)
     if records and not cfg.quiet:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The full results table: every method with and without ReCL, in CIL and DIL,
+# The full results table: every method alone, with ReCL and with the inversion
+# control (VARIANTS), and the joint upper bound, in CIL and DIL,
 # over several seeds (JOBS worker processes working through one list of runs),
 # then one table.
 #
@@ -18,13 +19,14 @@
 # Without RESULTS=..., QUICK=1 and extra arguments choose their own folder.
 # Datasets that cannot be loaded (say, CIFAR10 on a machine without internet)
 # are skipped with one line saying why.
-# Knobs: DATASETS SCENARIOS METHODS SEEDS JOBS RESULTS DATA_ROOT QUICK TUNE SWEEP PYTHON DRY_RUN.
+# Knobs: DATASETS SCENARIOS METHODS VARIANTS SEEDS JOBS RESULTS DATA_ROOT QUICK TUNE SWEEP PYTHON DRY_RUN.
 set -euo pipefail
 cd "$(dirname "$0")"
 
 DATASETS=${DATASETS:-mnist}
 SCENARIOS=${SCENARIOS:-cil dil}
-METHODS=${METHODS:-finetune ewc er upgd agem lwf gpm}
+METHODS=${METHODS:-finetune ewc er upgd agem lwf gpm joint}
+VARIANTS=${VARIANTS:-base recl inversion}  # inversion: ReCL's pipeline with the model-inversion control
 SEEDS_GIVEN=${SEEDS:-}
 SEEDS=${SEEDS:-5}
 JOBS=${JOBS:-1}
@@ -76,10 +78,13 @@ except data.DataError as err: sys.exit(str(err))' "$dataset" "$DATA_ROOT" 2>&1);
           continue
         fi
         while read -r out point; do
-          for variant in base recl; do
+          for variant in $VARIANTS; do
+            [ "$method" = joint ] && [ "$variant" != base ] && continue  # the bound has no +ReCL
+            flags=(--variant "$variant")
+            [ "$variant" = inversion ] && flags=(--variant recl --rec-objective inversion)
             for ((seed = 0; seed < SEEDS; seed++)); do
               printf '%q ' "$PYTHON" recl.py --dataset "$dataset" --scenario "$scenario" \
-                --method "$method" --variant "$variant" --seed "$seed" --out "$out" --quiet \
+                --method "$method" "${flags[@]}" --seed "$seed" --out "$out" --quiet \
                 --data-root "$DATA_ROOT" ${point:+$point} \
                 ${EXTRA[@]+"${EXTRA[@]}"}
               echo

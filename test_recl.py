@@ -29,9 +29,9 @@ def config(**overrides):
     cfg.device, cfg.m, cfg.hp = "cpu", cfg.n_per_class, {}
     cfg.rec_precision = "float32"  # the same numbers on every CPU (auto picks by the CPU's instructions)
     cfg.lr, cfg.epochs = strategies.DEFAULT_TRAINING["lr"], strategies.DEFAULT_TRAINING["epochs"]
-    for k, v in overrides.items():
+    for k, v in {**recl.TODAYS_DEFAULTS, **overrides}.items():
         setattr(cfg, k, v)
-    cfg.lr_x = cfg.lr_x or recl.DEFAULT_LR_X[cfg.rec_target]
+    cfg.lr_x = cfg.lr_x or recl.default_lr_x(cfg.rec_objective, cfg.rec_target, cfg.scenario)
     cfg.replay_noise = strategies.DEFAULT_REPLAY_NOISE if cfg.replay_noise is None else cfg.replay_noise
     return cfg
 
@@ -147,7 +147,7 @@ def test_displacement_is_a_gradient_combination_and_the_weights_are_not(trained_
     for target in ("displacement", "weights"):
         cfg = config(n_rec=300, rec_target=target)
         _, _, _, report = recl.reconstruct(model, labels_rec, (1, 28, 28), cfg, log=lambda *a: None)
-        unexplained[target] = report["last_l_rec"] / report["first_l_rec"]
+        unexplained[target] = report["last_terms"]["rec"] / report["first_terms"]["rec"]
     # measured: 0.03 and 0.81
     assert unexplained["displacement"] < 0.1 < 0.5 < unexplained["weights"], unexplained
 
@@ -161,7 +161,7 @@ def test_bfloat16_reconstruction_fits_like_float32(trained_on_eight_digits):
     for precision in ("float32", "bfloat16"):
         cfg = config(n_rec=300, rec_target="displacement", rec_precision=precision)
         x_rec, _, _, report = recl.reconstruct(model, labels_rec, (1, 28, 28), cfg, log=lambda *a: None)
-        found[precision], unexplained[precision] = x_rec, report["last_l_rec"] / report["first_l_rec"]
+        found[precision], unexplained[precision] = x_rec, report["last_terms"]["rec"] / report["first_terms"]["rec"]
     assert not torch.equal(found["float32"], found["bfloat16"])
     # measured: 0.034 for both, nearest cosine 0.667 for both
     assert unexplained["bfloat16"] < 0.1 and abs(unexplained["bfloat16"] - unexplained["float32"]) < 0.01, unexplained
@@ -199,6 +199,75 @@ def test_nonfinite_reconstruction_is_dropped_not_trained_on():
     assert torch.isfinite(lam).all()  # the lambdas too: kept candidates carry them into the next task
     assert len(x) == len(y) == report["kept"] <= 8
     assert any("not finite" in m for m in messages)
+
+
+def test_an_inversion_step_follows_the_gradient_of_cross_entropy_plus_prior():
+    """--rec-objective inversion: the first SGD step moves each candidate by -lr_x times the
+    gradient of sum_i CE(f(x_i), y_i) + L_prior (through the same smooth-backward network as
+    Eq. 3), leaves the lambdas alone, and is not the stationarity step."""
+    torch.manual_seed(0)
+    model = models.remember_start(models.MLP(16, 3, hidden=12))
+    labels = torch.tensor([0, 1, 2, 0, 1, 2])
+    cfg = config(n_rec=1, rec_objective="inversion", lr_x=0.5, sigma_x=0.7)  # some pixels outside [-1, 1]
+    x0, lam0 = recl.initial_candidates(len(labels), (16,), cfg.sigma_x, cfg.seed)
+    assert (x0.abs() > 1).any()
+    x1, _, lam1, _ = recl.reconstruct(model, labels, (16,), cfg, log=lambda *a: None)
+    candidates = x0.clone().requires_grad_()
+    net = models.with_smooth_relu(model, cfg.alpha)
+    loss = F.cross_entropy(net(candidates), labels, reduction="sum") + F.relu(candidates.abs() - 1).pow(2).sum()
+    loss.backward()
+    torch.testing.assert_close(x1, x0 - cfg.lr_x * candidates.grad)
+    torch.testing.assert_close(lam1, lam0)
+    stationarity, _, _, _ = recl.reconstruct(model, labels, (16,), config(n_rec=1, lr_x=0.5, sigma_x=0.7),
+                                             log=lambda *a: None)
+    assert not torch.allclose(stationarity, x1)
+
+
+def test_inverted_candidates_are_classified_as_their_labels(trained_on_eight_digits):
+    model, _ = trained_on_eight_digits
+    labels = recl.candidate_labels(2, 8, 1, "cil")
+    start, _ = recl.initial_candidates(len(labels), (1, 28, 28), 1e-3, 0)
+    before = recl.classified_as_labelled(model, start, labels).float().mean()
+    x_rec, y_rec, _, report = recl.reconstruct(model, labels, (1, 28, 28), config(rec_objective="inversion"),
+                                               log=lambda *a: None)
+    after = recl.classified_as_labelled(model, x_rec, y_rec).float().mean()
+    assert before == 0.5 and after == 1.0, (before, after)  # noise all lands in one class at first
+    assert report["last_terms"]["ce"] < 0.01 * report["first_terms"]["ce"] and "rec" not in report["last_terms"]
+
+
+def test_joint_bound_trains_one_model_on_all_tasks_and_has_no_bwt(tmp_path):
+    for scenario, outputs in (("cil", 6), ("dil", 2)):
+        record = recl.run_continual(config(scenario=scenario, epochs=10), synthetic_tasks(scenario), "joint", True,
+                                    log=lambda *a: None)
+        assert record["method"] == "joint" and record["recl"] is False and record["BWT"] is None
+        assert len(record["acc_matrix"]) == 1 and len(record["acc_matrix"][0]) == 3
+        assert record["ACC"] == 100.0  # separable blobs, all seen together
+    recl.main(["--method", "joint", "--variant", "both", "--epochs", "1", "--n-per-class", "5",
+               "--out", str(tmp_path), "--quiet"])
+    assert [p.name for p in tmp_path.iterdir()] == ["mnist-cil-joint-seed0.json"]  # --variant does not apply
+    table = recl.aggregate(tmp_path)
+    assert "| joint | 1 |" in table and "| n/a |" in table
+
+
+def test_paper_preset_switches_off_each_departure_unless_a_flag_is_given():
+    def run_cfg(*flags, use_recl=True):
+        cfg = recl.make_parser().parse_args(["--method", "ewc", *flags])
+        recl.check_args(cfg)
+        return recl.run_config(recl.resolve_defaults(cfg), 0, use_recl)
+
+    today, paper = run_cfg(), run_cfg("--paper")
+    assert (today.rec_target, today.freeze_old, today.filter) == ("displacement", True, True)
+    assert today.replay_noise > 0 and today.lr_x == 3.0
+    assert (paper.rec_target, paper.freeze_old, paper.filter, paper.replay_noise) == ("weights", False, False, 0.0)
+    assert paper.lr_x == 1.0 and (paper.n_rec, paper.m) == (100, 100)
+    own = strategies.settings("ewc", "cil", recl=False)  # the method's own training, not TUNED_RECL's
+    assert (paper.lr, paper.epochs, paper.hp) == (own["lr"], own["epochs"], {"ewc_lambda": own["ewc_lambda"]})
+    assert (paper.lr, paper.epochs) != (today.lr, today.epochs)
+    mixed = run_cfg("--paper", "--filter", "--rec-target", "displacement", "--replay-noise", "1", "--epochs", "3")
+    assert (mixed.filter, mixed.rec_target, mixed.replay_noise, mixed.epochs, mixed.freeze_old) == \
+        (True, "displacement", 1.0, 3, False)
+    assert run_cfg("--rec-objective", "inversion").lr_x == recl.INVERSION_LR_X["cil"]
+    assert run_cfg("--rec-objective", "inversion", "--scenario", "dil").lr_x == recl.INVERSION_LR_X["dil"]
 
 
 def test_earlier_reconstructions_stay_fixed_and_new_classes_start_from_noise():
@@ -637,6 +706,7 @@ def test_run_all_skips_finished_runs_and_reruns_stale_ones(tmp_path):
     common = ["--dataset", "mnist", "--scenario", "cil", "--method", "finetune", "--out", str(tmp_path), "--epochs", "3"]
     done = {**fake_record("finetune", False, 0, 1, 1),
             "config": config_a_run_records(common + ["--variant", "base", "--seed", "0"])}
+    del done["config"]["rec_objective"]  # made before the flag existed: it counts as its default
     recl.write_json_atomically(tmp_path / "mnist-cil-finetune-seed0.json", done)
     stale = {**fake_record("finetune", True, 1, 1, 1),  # made before a default changed
              "config": {**config_a_run_records(common + ["--variant", "recl", "--seed", "1"]), "n_rec": 50}}
@@ -647,9 +717,10 @@ def test_run_all_skips_finished_runs_and_reruns_stale_ones(tmp_path):
                             capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
     runs = [line for line in result.stdout.splitlines() if "recl.py" in line]
-    assert len(runs) == 7  # 2 methods x 2 variants x 2 seeds, less the finished one; the stale one is redone
+    assert len(runs) == 11  # 2 methods x 3 variants x 2 seeds, less the finished one; the stale one is redone
     assert not any("--method finetune --variant base --seed 0" in r for r in runs)
     assert any("--method finetune --variant recl --seed 1" in r for r in runs)
+    assert sum("--method gpm --variant recl --rec-objective inversion" in r for r in runs) == 2
     assert "stale:" in result.stderr and "mnist-cil-finetune+recl-seed1.json (n_rec 50 -> 100)" in result.stderr
     assert all(r.rstrip().endswith("--epochs 3") for r in runs)
     assert "skipping cifar10: CIFAR10 is not under" in result.stderr
@@ -681,9 +752,9 @@ def test_aggregate_warns_when_one_row_mixes_settings(tmp_path, capsys):
 def test_quick_presets_yield_to_explicit_knobs(tmp_path):
     result, runs = run_all_dry(tmp_path, QUICK="1", SEEDS="3", METHODS="finetune", RESULTS=str(tmp_path))
     assert result.returncode == 0, result.stderr
-    assert len(runs) == 6  # 3 seeds x 2 variants, not QUICK's one seed
+    assert len(runs) == 9  # 3 seeds x 3 variants, not QUICK's one seed
     quick_only, runs = run_all_dry(tmp_path, QUICK="1", METHODS="finetune", RESULTS=str(tmp_path))
-    assert len(runs) == 2
+    assert len(runs) == 3
     env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "DRY_RUN": "1", "SCENARIOS": "cil", "QUICK": "1",
            "METHODS": "finetune", "RESULTS": str(tmp_path)}
     result = subprocess.run(["bash", str(HERE / "run_all.sh"), "--epochs", "9", "--n-rec", "7"],
@@ -697,22 +768,24 @@ def test_aggregate_draws_a_well_formed_chart_with_one_bar_per_method_and_variant
     import xml.etree.ElementTree as ET
     for scenario in ("cil", "dil"):
         for method in ("finetune", "gpm"):
-            for use_recl, acc in ((False, 50.0), (True, 70.0)):
+            for use_recl, objective, acc in ((False, "stationarity", 50.0), (True, "stationarity", 70.0),
+                                             (True, "inversion", 60.0)):
                 for seed in range(2):
-                    name = f"mnist-{scenario}-{method}{'+recl' if use_recl else ''}-seed{seed}.json"
-                    recl.write_json_atomically(tmp_path / name, fake_record(method, use_recl, seed, acc + seed, -10,
-                                                                            scenario))
+                    record = {**fake_record(method, use_recl, seed, acc + seed, -10, scenario),
+                              "config": {"rec_objective": objective, "seed": seed}}
+                    recl.write_json_atomically(tmp_path / f"{scenario}-{method}-{acc}-{seed}.json", record)
     recl.write_json_atomically(tmp_path / "d.json", {**fake_record("er", False, 0, None, None), "diverged": "nan"})
     recl.aggregate(tmp_path)
     root = ET.parse(tmp_path / "chart-mnist.svg").getroot()  # raises if not well-formed XML
     ns = "{http://www.w3.org/2000/svg}"
     bars = [r for r in root.iter(ns + "rect") if r.get("class") == "bar"]
     assert sorted((b.get("data-scenario"), b.get("data-method")) for b in bars) == sorted(
-        (s, m + v) for s in ("cil", "dil") for m in ("finetune", "gpm") for v in ("", "+recl"))  # no bar for ER
+        (s, m + v) for s in ("cil", "dil") for m in ("finetune", "gpm") for v in ("", "+recl", "+inversion"))  # no ER
     heights = {(b.get("data-scenario"), b.get("data-method")): float(b.get("height")) for b in bars}
     assert heights[("cil", "gpm+recl")] == pytest.approx(heights[("cil", "gpm")] * 70.5 / 50.5, rel=1e-2)
+    assert heights[("cil", "gpm+inversion")] == pytest.approx(heights[("cil", "gpm")] * 60.5 / 50.5, rel=1e-2)
     paper = [l for l in root.iter(ns + "line") if l.get("class") == "paper"]
-    assert len(paper) == 8  # the paper's value over each of the 8 bars
+    assert len(paper) == 8  # the paper's value over each method and +ReCL bar, none over inversion
 
 
 # --- runs that go wrong -----------------------------------------------------------
@@ -847,12 +920,24 @@ def run_all_dry(tmp_path, **knobs):
     return result, [line for line in result.stdout.splitlines() if "recl.py" in line]
 
 
+def test_run_all_runs_the_joint_bound_once_per_seed_and_variants_as_asked(tmp_path):
+    result, runs = run_all_dry(tmp_path, METHODS="finetune joint", SEEDS="2", RESULTS=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert [sum(f"--method {m} {v} --seed" in r for r in runs) for m, v in
+            (("finetune", "--variant base"), ("finetune", "--variant recl --rec-objective inversion"),
+             ("joint", "--variant base"))] == [2, 2, 2]
+    assert len(runs) == 8 and not any("joint --variant recl" in r for r in runs)
+    _, runs = run_all_dry(tmp_path, METHODS="finetune joint", SEEDS="1", RESULTS=str(tmp_path), VARIANTS="inversion")
+    assert len(runs) == 1 and "--rec-objective inversion" in runs[0]
+
+
 def test_run_all_sweeps_a_flag_into_one_folder_per_value(tmp_path):
     (tmp_path / "m-25").mkdir()
     finished = config_a_run_records(["--method", "finetune", "--variant", "recl", "--m", "25"])
     recl.write_json_atomically(tmp_path / "m-25" / "mnist-cil-finetune+recl-seed0.json",
                                {**fake_record("finetune", True, 0, 1, 1), "config": finished})
-    result, runs = run_all_dry(tmp_path, SWEEP="m 10 25", METHODS="finetune", SEEDS="1", RESULTS=str(tmp_path))
+    result, runs = run_all_dry(tmp_path, SWEEP="m 10 25", METHODS="finetune", SEEDS="1", RESULTS=str(tmp_path),
+                               VARIANTS="base recl")
     assert result.returncode == 0, result.stderr
     assert len(runs) == 3  # 2 values x 2 variants, less the finished one
     assert sum(f"--out {tmp_path}/m-10 " in r and "--m 10" in r for r in runs) == 2
