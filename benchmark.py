@@ -120,7 +120,7 @@ def reconstruction_step(name, input_shape, m, device, repeats, precision="float3
 
     def step():
         losses = losses_fn(net, params, target, scale, x, labels, lam, lambda_min)
-        sum(losses).backward()
+        sum(losses.values()).backward()
         x.grad = lam.grad = None
 
     first = time.perf_counter()
@@ -128,7 +128,7 @@ def reconstruction_step(name, input_shape, m, device, repeats, precision="float3
     synchronise(device)
     first = time.perf_counter() - first
     with CountFlops() as counter:  # the same work in either format; counted uncompiled
-        sum(recl.reconstruction_losses(net, params, target, scale, x, labels, lam, lambda_min)).backward()
+        sum(recl.reconstruction_losses(net, params, target, scale, x, labels, lam, lambda_min).values()).backward()
     x.grad = lam.grad = None
     flops = counter.flops
     seconds = timed(step, device, repeats)

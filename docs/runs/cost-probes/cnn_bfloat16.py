@@ -33,7 +33,7 @@ for layout in (torch.contiguous_format, torch.channels_last):
         def step():
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bfloat16"):
                 losses = recl.reconstruction_losses(net, params, target, scale, x, labels, lam, 0.05)
-            sum(losses).backward()
+            sum(losses.values()).backward()
             g = x.grad.clone()
             x.grad = lam.grad = None
             return g

@@ -13,7 +13,7 @@ for name, fn in (("eager", recl.reconstruction_losses), ("compiled", compiled)):
     def step():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             l = fn(net, params, target, scale, x, labels, lam, 0.05)
-        sum(l).backward(); g = x.grad.clone(); x.grad = lam.grad = None; return l[0].item(), g
+        sum(l.values()).backward(); g = x.grad.clone(); x.grad = lam.grad = None; return l["rec"].item(), g
     t = time.perf_counter(); l, g = step(); first = time.perf_counter() - t
     ts = []
     for _ in range(3):

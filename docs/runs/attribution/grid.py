@@ -1,0 +1,34 @@
+"""The README's side-by-side figure: real old images, their nearest stationarity
+reconstructions and their nearest inversion reconstructions.
+
+    python recl.py --scenario cil --method finetune --variant recl --save-images --out OUT
+    python recl.py --scenario cil --method finetune --variant recl --rec-objective inversion --save-images --out OUT
+    python docs/runs/attribution/grid.py OUT docs/stationarity-vs-inversion-cil-seed0-task5.png
+
+Each reconstruction was made by its own run before task 5 of seed 0, from the
+model that run had trained; the real images are the training images of tasks 1-4.
+"""
+import sys
+from pathlib import Path
+
+import torch
+from torchvision.utils import save_image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+import data  # noqa: E402
+import recl  # noqa: E402
+
+folder, target = Path(sys.argv[1]), sys.argv[2]
+tasks, _, mean_image = data.make_tasks("mnist", 0, 100, "cil")
+real = torch.cat([t.x_train for t in tasks[:4]])
+pick = torch.linspace(0, len(real) - 1, 16).long()  # two images of each of the 8 old classes
+rows = [recl.as_picture(real[pick], mean_image)]
+for name in ("finetune+recl", "finetune+inversion"):
+    found = torch.load(folder / f"mnist-cil-{name}-seed0-task5.pt", weights_only=True)
+    nearest = recl.nearest_candidates(real, found)
+    shown = recl.on_reference_scale(found, real)[nearest[pick]]
+    ssim = recl.reconstruction_quality(real, found, mean_image)[0].mean().item()
+    print(f"{name}: {len(found)} reconstructions, mean nearest-pair SSIM {ssim:.3f}")
+    rows.append(recl.as_picture(shown, mean_image))
+save_image(torch.cat(rows), target, nrow=16, padding=1, pad_value=1.0)
+print(f"rows: real, stationarity (ReCL), inversion -> {target}")
