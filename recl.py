@@ -16,12 +16,15 @@ model alone (Step 1, Sec. 4.1). It then trains on those reconstructions mixed
 with the new task's data (Step 2, Sec. 4.2). No stored real data, no
 generator. By default each class's reconstruction, once made, is kept for
 later tasks (part 1 says why, with the other choices made on validation data).
+Plain model inversion (`--rec-objective inversion`) can replace Eq. 3 in the
+same pipeline, as a control: docs/attribution.md compares the two.
 
 This file has four parts:
-    1. Reconstruction   (Eq. 3-6), how to judge it (SSIM, App. E) and tune it (Sec. 4.3)
+    1. Reconstruction   (Eq. 3-6, and the inversion control), how to judge it
+                        (SSIM, App. E) and tune it (Sec. 4.3)
     2. Metrics          (Eq. 1-2: ACC and BWT from the accuracy matrix R[t, i])
-    3. The continual-learning loop, into which strategies.py hooks, and the
-       validation search that chose each method's hyperparameters
+    3. The continual-learning loop, into which strategies.py hooks, the joint
+       upper bound, and the validation search that chose each method's hyperparameters
     4. The command line, and the results files: staleness, tables, a chart
 """
 import argparse
