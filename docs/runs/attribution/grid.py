@@ -1,12 +1,13 @@
 """The README's side-by-side figure: real old images, their nearest stationarity
 reconstructions and their nearest inversion reconstructions.
 
-    python recl.py --scenario cil --method finetune --variant recl --save-images --out OUT
-    python recl.py --scenario cil --method finetune --variant recl --rec-objective inversion --save-images --out OUT
-    python docs/runs/attribution/grid.py OUT docs/stationarity-vs-inversion-cil-seed0-task5.png
+    python recl.py --scenario S --method finetune --variant recl --save-images --out OUT
+    python recl.py --scenario S --method finetune --variant recl --rec-objective inversion --save-images --out OUT
+    python docs/runs/attribution/grid.py OUT S docs/stationarity-vs-inversion-S-seed0-task5.png
 
 Each reconstruction was made by its own run before task 5 of seed 0, from the
-model that run had trained; the real images are the training images of tasks 1-4.
+model that run had trained; the real images are the training images of tasks 1-4,
+two of each old class (CIL) or of each class of each old task (DIL).
 """
 import sys
 from pathlib import Path
@@ -18,13 +19,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 import data  # noqa: E402
 import recl  # noqa: E402
 
-folder, target = Path(sys.argv[1]), sys.argv[2]
-tasks, _, mean_image = data.make_tasks("mnist", 0, 100, "cil")
+folder, scenario, target = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+tasks, _, mean_image = data.make_tasks("mnist", 0, 100, scenario)
 real = torch.cat([t.x_train for t in tasks[:4]])
-pick = torch.linspace(0, len(real) - 1, 16).long()  # two images of each of the 8 old classes
+pick = torch.linspace(0, len(real) - 1, 16).long()  # two images from each block of 100: each old class
 rows = [recl.as_picture(real[pick], mean_image)]
 for name in ("finetune+recl", "finetune+inversion"):
-    found = torch.load(folder / f"mnist-cil-{name}-seed0-task5.pt", weights_only=True)
+    found = torch.load(folder / f"mnist-{scenario}-{name}-seed0-task5.pt", weights_only=True)
     nearest = recl.nearest_candidates(real, found)
     shown = recl.on_reference_scale(found, real)[nearest[pick]]
     ssim = recl.reconstruction_quality(real, found, mean_image)[0].mean().item()
