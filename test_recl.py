@@ -29,7 +29,7 @@ def config(**overrides):
     cfg.device, cfg.m, cfg.hp = "cpu", cfg.n_per_class, {}
     cfg.rec_precision = "float32"  # the same numbers on every CPU (auto picks by the CPU's instructions)
     cfg.lr, cfg.epochs = strategies.DEFAULT_TRAINING["lr"], strategies.DEFAULT_TRAINING["epochs"]
-    for k, v in {**recl.TODAYS_DEFAULTS, **overrides}.items():
+    for k, v in {**recl.DEPARTURE_DEFAULTS, **overrides}.items():
         setattr(cfg, k, v)
     cfg.lr_x = cfg.lr_x or recl.default_lr_x(cfg.rec_objective, cfg.rec_target, cfg.scenario)
     if cfg.ce_weight is None:
@@ -239,7 +239,7 @@ def test_the_ce_weight_adds_exactly_its_share_of_the_inversion_gradient():
     (x_plain, _, lam_plain, _), (x_mixed, _, lam_mixed, report) = run(0.0), run(0.25)
     x0, _ = recl.initial_candidates(len(labels), (16,), 0.3, 0)
     candidates = x0.clone().requires_grad_()
-    F.cross_entropy(models.with_smooth_relu(model, 100.0)(candidates), labels, reduction="sum").backward()
+    F.cross_entropy(models.with_smooth_relu(model, config().alpha)(candidates), labels, reduction="sum").backward()
     torch.testing.assert_close(x_mixed - x_plain, -0.5 * 0.25 * candidates.grad)
     torch.testing.assert_close(lam_mixed, lam_plain)
     assert set(report["first_terms"]) == {"rec", "lambda", "prior", "ce"}
@@ -258,13 +258,16 @@ def test_inverted_candidates_are_classified_as_their_labels(trained_on_eight_dig
     assert report["last_terms"]["ce"] < 0.2 * report["first_terms"]["ce"] and "rec" not in report["last_terms"]
 
 
-def test_joint_bound_trains_one_model_on_all_tasks_and_has_no_bwt(tmp_path):
+def test_joint_bound_trains_one_model_on_all_tasks_and_has_no_bwt(tmp_path, monkeypatch):
+    heads, build = [], models.build_model
+    monkeypatch.setattr(models, "build_model", lambda name, shape, n: heads.append(n) or build(name, shape, n))
     for scenario, outputs in (("cil", 6), ("dil", 2)):
         record = recl.run_continual(config(scenario=scenario, epochs=10), synthetic_tasks(scenario), "joint", True,
                                     log=lambda *a: None)
         assert record["method"] == "joint" and record["recl"] is False and record["BWT"] is None
         assert len(record["acc_matrix"]) == 1 and len(record["acc_matrix"][0]) == 3
         assert record["ACC"] == 100.0  # separable blobs, all seen together
+        assert heads[-1] == outputs  # every class at once in CIL, the shared labels in DIL
     recl.main(["--method", "joint", "--variant", "both", "--epochs", "1", "--n-per-class", "5",
                "--out", str(tmp_path), "--quiet"])
     assert [p.name for p in tmp_path.iterdir()] == ["mnist-cil-joint-seed0.json"]  # --variant does not apply
@@ -738,7 +741,15 @@ def test_run_all_skips_finished_runs_and_reruns_stale_ones(tmp_path):
     done = {**fake_record("finetune", False, 0, 1, 1),
             "config": config_a_run_records(common + ["--variant", "base", "--seed", "0"])}
     del done["config"]["rec_objective"]  # made before the flag existed: it counts as its default
-    recl.write_json_atomically(tmp_path / "mnist-cil-finetune-seed0.json", done)
+    path, line = tmp_path / "mnist-cil-finetune-seed0.json", f"python recl.py {' '.join(common)} --variant base --seed 0"
+    recl.write_json_atomically(path, done)
+    assert recl.pending_runs([line]) == []
+    before = {k: v for k, v in done["config"].items() if k != "ce_weight"}  # CIL had no CE term then
+    recl.write_json_atomically(path, {**done, "config": before})
+    assert recl.pending_runs([line], lambda message: None) == [line]
+    dil = config_a_run_records(common + ["--variant", "base", "--seed", "0", "--scenario", "dil"])
+    assert dil["ce_weight"] == recl.ADDED_LATER["ce_weight"]  # a DIL run from before stays current
+    recl.write_json_atomically(path, done)
     stale = {**fake_record("finetune", True, 1, 1, 1),  # made before a default changed
              "config": {**config_a_run_records(common + ["--variant", "recl", "--seed", "1"]), "n_rec": 50}}
     recl.write_json_atomically(tmp_path / "mnist-cil-finetune+recl-seed1.json", stale)
