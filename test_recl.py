@@ -5,6 +5,7 @@ Run with `python -m pytest -q`. Everything runs on tiny problems on the CPU.
 import argparse
 import gzip
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -1118,6 +1119,25 @@ def test_random_search_is_reproducible_and_stays_in_range():
         hp = recl.sample_hyperparameters(gen)
         for name, (low, high, _) in recl.SEARCH_SPACE.items():
             assert low <= hp[name] <= high
+
+
+def test_the_search_keeps_the_defaults_unless_a_draw_scores_higher(monkeypatch):
+    """Sec. 4.3's searches: trial 1 is the defaults; a later draw replaces it only by scoring higher."""
+    tried = []
+
+    def fake_reconstruct(model, labels, shape, cfg, log, earlier):  # the search, not the reconstruction
+        tried.append(cfg.lr_x)
+        return torch.zeros(len(labels), *shape), labels, torch.ones(len(labels)), {"last_loss": 1.0, "lr_x": cfg.lr_x}
+
+    monkeypatch.setattr(recl, "reconstruct", fake_reconstruct)
+    cfg, labels, quiet = config(trials=6), torch.tensor([0, 1]), lambda *a: None
+    near = lambda x, report: -abs(math.log(report["lr_x"] / 1e-3))  # prefers lr_x near 1e-3, far from the default
+    *_, chosen = recl.search_reconstruction(None, labels, (1,), cfg, near, 0, quiet)
+    assert tried[0] == cfg.lr_x and len(tried) == 6
+    assert chosen["hyperparameters"]["lr_x"] != cfg.lr_x and chosen["score"] == max(near(None, {"lr_x": v}) for v in tried)
+    only_defaults = lambda x, report: float(report["lr_x"] == cfg.lr_x)
+    *_, kept = recl.search_reconstruction(None, labels, (1,), cfg, only_defaults, 0, quiet)
+    assert kept["hyperparameters"]["lr_x"] == cfg.lr_x and kept["score"] == 1.0
 
 
 @pytest.mark.parametrize("tuning", ["unsup", "sup"])
