@@ -1111,14 +1111,17 @@ def test_quality_ignores_scale_and_offset_but_not_content():
     assert random_small.mean() < 0.5
 
 
-def test_random_search_is_reproducible_and_stays_in_range():
-    draws = [recl.sample_hyperparameters(torch.Generator().manual_seed(5)) for _ in range(2)]
+def test_random_search_is_reproducible_and_stays_around_the_runs_own_values():
+    centre = {k: getattr(config(), k) for k in recl.SEARCH_SPACE}
+    draws = [recl.sample_hyperparameters(torch.Generator().manual_seed(5), centre) for _ in range(2)]
     assert draws[0] == draws[1]
     gen = torch.Generator().manual_seed(0)
-    for _ in range(50):
-        hp = recl.sample_hyperparameters(gen)
-        for name, (low, high, _) in recl.SEARCH_SPACE.items():
-            assert low <= hp[name] <= high
+    hps = [recl.sample_hyperparameters(gen, centre) for _ in range(200)]
+    for name, factor in recl.SEARCH_SPACE.items():
+        values = torch.tensor([hp[name] for hp in hps])
+        assert (values >= centre[name] / factor).all() and (values <= centre[name] * factor).all()
+        assert (values > centre[name]).any() and (values < centre[name]).any()  # both sides of the default
+    assert centre["lr_x"] == 3.0 and max(hp["lr_x"] for hp in hps) > 10  # above the paper's [1e-5, 1]
 
 
 def test_the_search_keeps_the_defaults_unless_a_draw_scores_higher(monkeypatch):
