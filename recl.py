@@ -453,9 +453,8 @@ def search_reconstruction(model, labels, input_shape, cfg, score, seed, log=prin
     Trial 1 uses the flag values (the naive strategy's), so the search can only
     keep the defaults or find something its score rates higher."""
     gen = torch.Generator().manual_seed(seed)
-    best = None
+    best, defaults = None, {k: getattr(cfg, k) for k in SEARCH_SPACE}
     for trial in range(cfg.trials):
-        defaults = {k: getattr(cfg, k) for k in SEARCH_SPACE}
         hp = defaults if trial == 0 else sample_hyperparameters(gen, defaults)
         x, y, lam, report = reconstruct(model, labels, input_shape, argparse.Namespace(**{**vars(cfg), **hp}), log,
                                         earlier)
@@ -724,8 +723,8 @@ def tune_method(cfg, log=print):
     grid = {**strategies.TRAINING_GRID, **strategies.SEARCH_GRID[cfg.method]}
     combos = list(itertools.product(*grid.values()))
     picks = torch.randperm(len(combos), generator=torch.Generator().manual_seed(cfg.seed))[:cfg.trials]
-    log(f"tuning {variant_name(cfg.method, use_recl, cfg.rec_objective)} | {cfg.scenario} | {cfg.dataset} | seed {cfg.seed}: "
-        f"{len(picks)} of {len(combos)} settings, scored on validation data")
+    log(f"tuning {variant_name(cfg.method, use_recl, cfg.rec_objective)} | {cfg.scenario} | {cfg.dataset} | "
+        f"seed {cfg.seed}: {len(picks)} of {len(combos)} settings, scored on validation data")
     trials = []
     for number, pick in enumerate(picks.tolist()):
         chosen = dict(zip(grid, combos[pick]))
