@@ -438,7 +438,9 @@ def save_pairs(path, reference, candidates, nearest, mean_image, n=32):
 # that range, so no draw could beat the defaults. Each draw is therefore
 # log-uniform within a factor of the run's own value, the same rule for every
 # objective and scenario: x10 either way for the step sizes and sigma_x, x3
-# for lambda_min and alpha.
+# for lambda_min and alpha. (Chosen on validation against a narrower space, a
+# space without lr_x, and a local search around the best trial so far;
+# docs/reconstruction-quality.md has the numbers.)
 SEARCH_SPACE = {"sigma_x": 10.0, "lr_x": 10.0, "lr_lambda": 10.0, "lambda_min": 3.0, "alpha": 3.0}
 
 
