@@ -49,7 +49,7 @@ def load_mnist_subset(path=MNIST_SUBSET):
     digest = hashlib.sha256(raw).hexdigest()
     if path == MNIST_SUBSET and digest != MNIST_SUBSET_SHA256:
         raise DataError(f"{path} is corrupt (sha256 mismatch); restore it with `git checkout -- data`")
-    if digest in _PARSED:  # a run_all.sh worker (recl.py --queue) loads it once per run
+    if digest in _PARSED:  # a run_all.sh worker (experiments.py queue) loads it once per run
         images, labels = _PARSED[digest]
         return images.clone(), labels.clone()
     try:
@@ -293,7 +293,7 @@ def make_tasks(dataset, seed, n_per_class=100, scenario="cil", classes_per_task=
 def validation_split(tasks, fraction=0.2, seed=0):
     """Tasks whose test set is a held-out `fraction` of their own training images.
 
-    For tuning hyperparameters (recl.py --tune): the real test images are dropped,
+    For tuning hyperparameters (experiments.py tune): the real test images are dropped,
     so nothing chosen on these tasks has seen them.
     """
     generator = torch.Generator().manual_seed(seed)

@@ -71,7 +71,7 @@ except data.DataError as err: sys.exit(str(err))' "$dataset" "$DATA_ROOT" 2>&1);
     for scenario in $SCENARIOS; do
       for method in $METHODS; do
         if [ "$TUNE" = 1 ]; then  # one validation search per method, on seed 0
-          printf '%q ' "$PYTHON" recl.py --tune --dataset "$dataset" --scenario "$scenario" \
+          printf '%q ' "$PYTHON" experiments.py tune --dataset "$dataset" --scenario "$scenario" \
             --method "$method" --seed 0 --out "$RESULTS" --quiet --data-root "$DATA_ROOT" \
             ${EXTRA[@]+"${EXTRA[@]}"}
           echo
@@ -96,9 +96,9 @@ except data.DataError as err: sys.exit(str(err))' "$dataset" "$DATA_ROOT" 2>&1);
   done
 }
 
-# recl.py --pending keeps the runs without a result and those whose result was
+# experiments.py pending keeps the runs without a result and those whose result was
 # made with other settings than the command would use now (stale; it names them).
-todo=$(every_run | "$PYTHON" recl.py --pending)
+todo=$(every_run | "$PYTHON" experiments.py pending)
 count=$(printf '%s' "$todo" | grep -c . || true)
 echo "run_all: $count runs to do in $RESULTS/ with $JOBS job(s)"
 if [ "${DRY_RUN:-0}" = 1 ]; then
@@ -108,7 +108,7 @@ fi
 start=$(date +%s)
 if [ "$count" -gt 0 ]; then
   # JOBS worker processes share the list, each claiming the next unclaimed run
-  # (recl.py --queue): torch is imported once per worker, not once per run.
+  # (experiments.py queue): torch is imported once per worker, not once per run.
   queue=$(mktemp -d)
   workers=()
   trap 'rm -rf "$queue"' EXIT
@@ -117,7 +117,7 @@ if [ "$count" -gt 0 ]; then
   trap 'kill "${workers[@]}" 2>/dev/null; wait; echo "run_all: interrupted; finished runs are saved, rerun to do the rest" >&2; exit 130' INT TERM
   printf '%s\n' "$todo" > "$queue/commands"
   for ((job = 0; job < JOBS; job++)); do
-    "$PYTHON" recl.py --queue "$queue" &
+    "$PYTHON" experiments.py queue "$queue" &
     workers+=($!)
   done
   failed=0
@@ -129,9 +129,9 @@ if [ "$count" -gt 0 ]; then
 fi
 echo "run_all: finished in $(( $(date +%s) - start ))s"
 if [ -z "$SWEEP_FLAG" ]; then
-  "$PYTHON" recl.py --aggregate "$RESULTS" | tee "$RESULTS/table.md"
+  "$PYTHON" experiments.py aggregate "$RESULTS" | tee "$RESULTS/table.md"
 else
   while read -r out point; do
-    echo "## $point"; echo; "$PYTHON" recl.py --aggregate "$out"; echo
+    echo "## $point"; echo; "$PYTHON" experiments.py aggregate "$out"; echo
   done < <(folders) | tee "$RESULTS/table-$SWEEP_FLAG.md"
 fi

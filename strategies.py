@@ -5,12 +5,13 @@ calls at fixed points:
 
     extra_loss(model, x, y, logits, state)       added to the batch's cross-entropy
     after_backward(model, state)                 may rewrite the .grad of parameters
-    after_task(model, task, state)               after training on a task
+    after_task(model, loader, state)             after training on a task
 
-`task` is a data.Task holding the task's *real* training data; `state` is a
-plain dict the strategy keeps across tasks, starting from its hyperparameters
-(`HYPERPARAMETERS`). ReCL needs no hook at all: it only adds reconstructed
-samples to the training data, so it composes with every strategy here.
+`loader` yields the task's *real* training data as (x, y) batches, in a fixed
+order; `state` is a plain dict the strategy keeps across tasks, starting from
+its hyperparameters (`HYPERPARAMETERS`). ReCL needs no hook at all: it only
+adds reconstructed samples to the training data, so it composes with every
+strategy here (its own settings live in recl.py).
 """
 import copy
 
@@ -21,7 +22,7 @@ from torch.func import functional_call, grad, vmap
 
 # Each method's own hyperparameters, in one place. HYPERPARAMETERS are the
 # literature defaults a strategy's state starts from; SEARCH_GRID is what
-# `python recl.py --tune` tries on a validation split carved from the training
+# `python experiments.py tune` tries on a validation split carved from the training
 # data (never the test set), together with TRAINING_GRID; TUNED holds what that
 # search chose, per scenario. See docs/hyperparameters.md for how and when.
 HYPERPARAMETERS = {
@@ -47,9 +48,6 @@ SEARCH_GRID = {  # the ER buffer size is a memory budget, fixed like the paper's
     "gpm": {"gpm_threshold": [0.9, 0.95, 0.97, 0.99]},
 }
 DEFAULT_TRAINING = {"lr": 0.05, "epochs": 20}
-# The +ReCL variants replay their reconstructions with fresh noise of 2.5 times
-# the task's pixel std (recl.train_task; chosen on validation, docs/levers.md H).
-DEFAULT_REPLAY_NOISE = 2.5
 # Chosen by `TUNE=1 JOBS=2 bash run_all.sh` (10 random draws per method, seed 0,
 # ACC without ReCL on 20% of the training images held out; docs/hyperparameters.md).
 TUNED = {
@@ -76,47 +74,10 @@ TUNED = {
 }
 
 
-# What the +ReCL variant changes in its method's settings. ReCL reads the old
-# data out of the weights, so it needs a network that has fitted its tasks; the
-# light training that suits a method alone leaves too little to read. Chosen by
-# validation ACC of the +ReCL variant (seeds 0-2) among lr/epochs {own, 0.05/20,
-# 0.1/20} (Finetune CIL also 0.05/40, 0.05/60, 0.1/40), then a weaker lambda for
-# EWC and LwF (docs/levers.md, sections C and G). With replay noise, the other
-# lr of {0.05, 0.1} was tried again in CIL; only EWC changed, to 0.1 (section J);
-# and in DIL, where only A-GEM changed, to 0.1 (section L).
-TUNED_RECL = {
-    "cil": {
-        "finetune": {"lr": 0.1, "epochs": 20},
-        "ewc": {"lr": 0.1, "epochs": 20, "ewc_lambda": 100.0},
-        "er": {"lr": 0.1, "epochs": 20},
-        "upgd": {"lr": 0.1, "epochs": 20},
-        "agem": {"lr": 0.1, "epochs": 20},
-        "lwf": {"lr": 0.1, "epochs": 20},
-        "gpm": {"lr": 0.1, "epochs": 20, "replay_noise": 0.0},
-    },
-    "dil": {  # GPM keeps its own budget
-        "finetune": {"lr": 0.05, "epochs": 20},
-        "ewc": {"lr": 0.05, "epochs": 20, "ewc_lambda": 100.0},
-        "lwf": {"lwf_lambda": 0.5},
-        "er": {"lr": 0.05, "epochs": 20},
-        "upgd": {"lr": 0.1, "epochs": 20},
-        "agem": {"lr": 0.1, "epochs": 20},
-        "gpm": {"replay_noise": 0.0},
-    },
-}
-# GPM replays without noise: its projection lets a layer learn only outside the
-# input space of old tasks, so noisy replay trains on directions the real old
-# images never use (validation ACC, seeds 0-2, with and without: CIL 57.50 and
-# 60.50, DIL 78.67 and 81.83; docs/levers.md H).
-
-
-def settings(method, scenario, recl=False):
-    """lr, epochs and the method's own hyperparameters a run (with ReCL if `recl`) starts from,
-    and with ReCL the noise on its replayed reconstructions."""
-    chosen = {**DEFAULT_TRAINING, **HYPERPARAMETERS[method], **TUNED.get(scenario, {}).get(method, {})}
-    if not recl:
-        return chosen
-    return {**chosen, "replay_noise": DEFAULT_REPLAY_NOISE, **TUNED_RECL.get(scenario, {}).get(method, {})}
+def settings(method, scenario):
+    """lr, epochs and the method's own hyperparameters a run starts from (recl.run_settings
+    adds the +ReCL variant's budget)."""
+    return {**DEFAULT_TRAINING, **HYPERPARAMETERS[method], **TUNED.get(scenario, {}).get(method, {})}
 
 
 def new_state(method, **overrides):
@@ -144,6 +105,17 @@ def sample_rows(x, y, n):
     return x[idx], y[idx]
 
 
+def collect(loader, limit=None):
+    """The rows of a loader's batches, concatenated (the first `limit` rows if given)."""
+    xs, ys, n = [], [], 0
+    for x, y in loader:
+        xs.append(x), ys.append(y)
+        n += len(x)
+        if limit is not None and n >= limit:
+            break
+    return torch.cat(xs)[:limit], torch.cat(ys)[:limit]
+
+
 def append_memory(state, x, y):
     if "memory_x" in state:
         x, y = torch.cat([state["memory_x"], x]), torch.cat([state["memory_y"], y])
@@ -152,24 +124,26 @@ def append_memory(state, x, y):
 
 # --- EWC: quadratic penalty weighted by the diagonal Fisher --------------------
 
-def diagonal_fisher(model, x, y, chunk=32):
-    """Mean of squared per-sample log-likelihood gradients (empirical Fisher)."""
+def diagonal_fisher(model, loader, chunk=32):
+    """Mean of squared per-sample log-likelihood gradients (empirical Fisher), batch by batch."""
     params = {k: v.detach() for k, v in model.named_parameters()}
 
     def sample_loss(p, xi, yi):
         return F.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])
 
     per_sample_grads = vmap(grad(sample_loss), in_dims=(None, 0, 0))
-    fisher = {k: torch.zeros_like(v) for k, v in params.items()}
-    for xs, ys in zip(x.split(chunk), y.split(chunk)):
-        for k, g in per_sample_grads(params, xs, ys).items():
-            fisher[k] += g.pow(2).sum(0)
-    return {k: f / len(x) for k, f in fisher.items()}
+    fisher, n = {k: torch.zeros_like(v) for k, v in params.items()}, 0
+    for x, y in loader:
+        for xs, ys in zip(x.split(chunk), y.split(chunk)):
+            for k, g in per_sample_grads(params, xs, ys).items():
+                fisher[k] += g.pow(2).sum(0)
+        n += len(x)
+    return {k: f / n for k, f in fisher.items()}
 
 
-def ewc_after_task(model, task, state):
+def ewc_after_task(model, loader, state):
     # Fishers of all tasks so far add up; the anchor is the latest weights.
-    fisher = diagonal_fisher(model, task.x_train, task.y_train)
+    fisher = diagonal_fisher(model, loader)
     for k, old in state.get("fisher", {}).items():
         fisher[k] += pad_to(old, fisher[k].shape)
     state["fisher"] = fisher
@@ -188,9 +162,9 @@ def ewc_loss(model, x, y, logits, state):
 
 # --- ER: replay a small buffer of real old data alongside each batch ---------
 
-def er_after_task(model, task, state):
-    n = max(1, round(state["er_fraction"] * len(task.x_train)))
-    append_memory(state, *sample_rows(task.x_train, task.y_train, n))
+def er_after_task(model, loader, state):
+    x, y = collect(loader)
+    append_memory(state, *sample_rows(x, y, max(1, round(state["er_fraction"] * len(x)))))
 
 
 def er_loss(model, x, y, logits, state):
@@ -202,8 +176,8 @@ def er_loss(model, x, y, logits, state):
 
 # --- A-GEM: never let a step increase the loss on the episodic memory ---------
 
-def agem_after_task(model, task, state):
-    append_memory(state, *sample_rows(task.x_train, task.y_train, state["agem_patterns_per_task"]))
+def agem_after_task(model, loader, state):
+    append_memory(state, *sample_rows(*collect(loader), state["agem_patterns_per_task"]))
 
 
 def agem_after_backward(model, state):
@@ -223,7 +197,7 @@ def agem_after_backward(model, state):
 
 # --- LwF: distil the previous model's outputs on the current data ------------
 
-def lwf_after_task(model, task, state):
+def lwf_after_task(model, loader, state):
     state["teacher"] = copy.deepcopy(model).eval()
 
 
@@ -288,9 +262,9 @@ def extend_basis(basis, activations, threshold):
     return torch.cat([basis, new], 1)[:, :activations.shape[0]]
 
 
-def gpm_after_task(model, task, state):
+def gpm_after_task(model, loader, state):
     bases = state.setdefault("bases", {})
-    x = task.x_train[:state["gpm_samples"]]
+    x, _ = collect(loader, state["gpm_samples"])
     for name, r in layer_inputs(model, x).items():
         bases[name] = extend_basis(bases.get(name), r.T, state["gpm_threshold"])
 

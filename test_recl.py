@@ -2,7 +2,6 @@
 
 Run with `python -m pytest -q`. Everything runs on tiny problems on the CPU.
 """
-import argparse
 import gzip
 import json
 import math
@@ -18,25 +17,22 @@ from torch.func import grad, vmap
 
 import data
 import models
+import experiments
 import recl
 import strategies
 
 HERE = Path(__file__).resolve().parent
 
 
-def config(**overrides):
-    """The CLI's defaults, resolved as main() resolves them, with overrides."""
+def config(use_recl=True, **overrides):
+    """A +ReCL run's settings as recl.run_settings resolves them, with `overrides` standing
+    for flags given on the command line (lr 0.05 and 20 epochs unless given; float32, so
+    that every CPU gives the same numbers)."""
     cfg = recl.make_parser().parse_args([])
-    cfg.device, cfg.m, cfg.hp = "cpu", cfg.n_per_class, {}
-    cfg.rec_precision = "float32"  # the same numbers on every CPU (auto picks by the CPU's instructions)
-    cfg.lr, cfg.epochs = strategies.DEFAULT_TRAINING["lr"], strategies.DEFAULT_TRAINING["epochs"]
-    for k, v in {**recl.DEPARTURE_DEFAULTS, **overrides}.items():
+    cfg.device, cfg.rec_precision, cfg.lr, cfg.epochs, cfg.hp = "cpu", "float32", 0.05, 20, []
+    for k, v in overrides.items():
         setattr(cfg, k, v)
-    cfg.lr_x = cfg.lr_x or recl.default_lr_x(cfg.rec_objective, cfg.rec_target, cfg.scenario)
-    if cfg.ce_weight is None:
-        cfg.ce_weight = 0.0 if cfg.rec_objective == "inversion" else recl.DEFAULT_CE_WEIGHT[cfg.scenario]
-    cfg.replay_noise = strategies.DEFAULT_REPLAY_NOISE if cfg.replay_noise is None else cfg.replay_noise
-    return cfg
+    return recl.run_settings(cfg, cfg.seed, use_recl)
 
 
 def synthetic_tasks(scenario, n_tasks=3, per_class=6, shape=(1, 4, 4), seed=0):
@@ -58,7 +54,9 @@ def nearest_cosine(candidates, reference):
     return (b @ a.T).amax(1)
 
 
-# --- reconstruction -----------------------------------------------------------
+# =============================================================================
+# 1. Reconstruction: the math (each test a small proof)
+# =============================================================================
 
 def test_single_backward_form_equals_per_candidate_vmap_form():
     torch.manual_seed(0)
@@ -106,7 +104,108 @@ def test_smooth_relu_keeps_forward_and_smooths_backward():
     torch.testing.assert_close(second, h)
     per_point = vmap(grad(lambda u: relu(u)))(z.detach())
     torch.testing.assert_close(per_point, s)
+    # the fast Function equals the simple detach form: value, first and second derivative
+    simple = lambda u: models.smooth_backward_relu(u, 10.0)
+    torch.testing.assert_close(simple(z), out)
+    torch.testing.assert_close(grad(lambda u: simple(u).sum())(z.detach()), s)
+    torch.testing.assert_close(grad(lambda v: grad(lambda u: simple(u).sum())(v).sum())(z.detach()), h)
 
+
+def test_targets_are_the_weights_or_the_displacement_relative_to_its_size():
+    model = models.remember_start(models.MLP(4, 2, hidden=3))
+    start = {k: v.clone() for k, v in model.start.items()}
+    params = {k: v + 0.5 for k, v in start.items()}
+    target, scale = recl.reconstruction_target(params, start, "weights")
+    assert target is params and scale == 1.0
+    target, scale = recl.reconstruction_target(params, start, "displacement")
+    assert all(torch.allclose(target[k], torch.full_like(v, 0.5)) for k, v in start.items())
+    n = sum(v.numel() for v in start.values())
+    assert float(scale) == pytest.approx(1 / (0.25 * n))
+
+
+def test_displacement_target_needs_the_initial_weights():
+    model = models.MLP(16, 2, hidden=8)  # built directly: no theta_0 remembered
+    with pytest.raises(ValueError, match="initial weights"):
+        recl.reconstruct(model, torch.tensor([0, 1]), (16,), config(n_rec=1, rec_target="displacement"),
+                         log=lambda *a: None)
+    assert recl.reconstruct(model, torch.tensor([0, 1]), (16,), config(n_rec=1, rec_target="weights"),
+                            log=lambda *a: None)[3]["steps"] == 1
+
+
+def test_an_inversion_step_follows_the_gradient_of_cross_entropy_plus_prior():
+    """--rec-objective inversion: the first SGD step moves each candidate by -lr_x times the
+    gradient of sum_i CE(f(x_i), y_i) + L_prior (through the same smooth-backward network as
+    Eq. 3), leaves the lambdas alone, and is not the stationarity step."""
+    torch.manual_seed(0)
+    model = models.remember_start(models.MLP(16, 3, hidden=12))
+    labels = torch.tensor([0, 1, 2, 0, 1, 2])
+    cfg = config(n_rec=1, rec_objective="inversion", lr_x=0.5, sigma_x=0.7)  # some pixels outside [-1, 1]
+    x0, lam0 = recl.initial_candidates(len(labels), (16,), cfg.sigma_x, cfg.seed)
+    assert (x0.abs() > 1).any()
+    x1, _, lam1, _ = recl.reconstruct(model, labels, (16,), cfg, log=lambda *a: None)
+    candidates = x0.clone().requires_grad_()
+    net = models.with_smooth_relu(model, cfg.alpha)
+    loss = F.cross_entropy(net(candidates), labels, reduction="sum") + F.relu(candidates.abs() - 1).pow(2).sum()
+    loss.backward()
+    torch.testing.assert_close(x1, x0 - cfg.lr_x * candidates.grad)
+    torch.testing.assert_close(lam1, lam0)
+    stationarity, _, _, _ = recl.reconstruct(model, labels, (16,), config(n_rec=1, lr_x=0.5, sigma_x=0.7),
+                                             log=lambda *a: None)
+    assert not torch.allclose(stationarity, x1)
+
+
+def test_the_ce_weight_adds_exactly_its_share_of_the_inversion_gradient():
+    """Departure 5: with --ce-weight w, the first step differs from Eq. 6's alone by
+    -lr_x * w * grad sum_i CE(f(x_i), y_i), and the lambdas' step not at all."""
+    torch.manual_seed(0)
+    model = models.remember_start(models.MLP(16, 3, hidden=12))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))  # a displacement to fit
+    labels = torch.tensor([0, 1, 2, 0, 1, 2])
+    run = lambda w: recl.reconstruct(model, labels, (16,), config(n_rec=1, lr_x=0.5, sigma_x=0.3, ce_weight=w),
+                                     log=lambda *a: None)
+    (x_plain, _, lam_plain, _), (x_mixed, _, lam_mixed, report) = run(0.0), run(0.25)
+    x0, _ = recl.initial_candidates(len(labels), (16,), 0.3, 0)
+    candidates = x0.clone().requires_grad_()
+    F.cross_entropy(models.with_smooth_relu(model, config().alpha)(candidates), labels, reduction="sum").backward()
+    torch.testing.assert_close(x_mixed - x_plain, -0.5 * 0.25 * candidates.grad)
+    torch.testing.assert_close(lam_mixed, lam_plain)
+    assert set(report["first_terms"]) == {"rec", "lambda", "prior", "ce"}
+
+
+def test_fixed_candidates_part_computed_once_gives_the_same_loss_and_gradients():
+    """Subtracting the fixed candidates' share of Eq. 3's sum from the target once is
+    exact: the loss and the gradients for the free candidates equal the full sum's."""
+    torch.manual_seed(0)
+    net = models.with_smooth_relu(models.MLP(12, 3, hidden=7), alpha=50.0)
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    target = {k: torch.randn_like(v) for k, v in params.items()}
+    x, y, lam = torch.randn(6, 12), torch.tensor([0, 1, 2, 0, 1, 2]), torch.rand(6)
+    fixed = torch.tensor([True, True, False, True, False, False])
+    free_x, free_lam = x[~fixed].clone().requires_grad_(), lam[~fixed].clone().requires_grad_()
+    fixed_part = recl.weighted_gradient_sum(net, params, x[fixed], y[fixed], lam[fixed], m=6)
+    rest = {k: target[k] - fixed_part[k] for k in target}
+    l_once = recl.reconstruction_losses(net, params, rest, 1.0, free_x, y[~fixed], free_lam, 0.05, m=6)["rec"]
+    all_x, all_lam = x.clone(), lam.clone()
+    all_x[~fixed], all_lam[~fixed] = free_x, free_lam  # the same free tensors, inside the full set
+    l_full = recl.reconstruction_losses(net, params, target, 1.0, all_x, y, all_lam, 0.05)["rec"]
+    assert torch.allclose(l_once, l_full, rtol=1e-5)
+    grads_once = torch.autograd.grad(l_once, (free_x, free_lam))
+    grads_full = torch.autograd.grad(l_full, (free_x, free_lam))
+    for a, b in zip(grads_once, grads_full):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_candidate_labels_cover_old_classes_evenly():
+    assert recl.candidate_labels(4, 3, 2, "cil").tolist() == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3
+    # DIL: the two labels are shared by all tasks, so m per class per old task
+    assert recl.candidate_labels(2, 3, 2, "dil").tolist() == [0] * 6 + [1] * 6
+
+
+# =============================================================================
+# 2. Reconstruction: what it does on a trained network
+# =============================================================================
 
 @pytest.fixture(scope="module")
 def trained_on_eight_digits():
@@ -157,7 +256,7 @@ def test_displacement_is_a_gradient_combination_and_the_weights_are_not(trained_
 
 def test_bfloat16_reconstruction_fits_like_float32(trained_on_eight_digits):
     """--rec-precision bfloat16 runs the step's products in bfloat16 (the candidates
-    differ from float32's) and fits the displacement as well (recl.py, part 1)."""
+    differ from float32's) and fits the displacement as well (recl.py, part 5)."""
     model, x = trained_on_eight_digits
     labels_rec = recl.candidate_labels(2, 8, 1, "cil")
     found, unexplained = {}, {}
@@ -183,69 +282,6 @@ def test_auto_precision_is_bfloat16_only_on_a_cpu_with_bfloat16_instructions(mon
         assert recl.reconstruction_precision("auto", cpu) == expected
 
 
-def test_displacement_target_needs_the_initial_weights():
-    model = models.MLP(16, 2, hidden=8)  # built directly: no theta_0 remembered
-    with pytest.raises(ValueError, match="initial weights"):
-        recl.reconstruct(model, torch.tensor([0, 1]), (16,), config(n_rec=1, rec_target="displacement"),
-                         log=lambda *a: None)
-    assert recl.reconstruct(model, torch.tensor([0, 1]), (16,), config(n_rec=1, rec_target="weights"),
-                            log=lambda *a: None)[3]["steps"] == 1
-
-
-def test_nonfinite_reconstruction_is_dropped_not_trained_on():
-    torch.manual_seed(0)
-    model = models.remember_start(models.MLP(16, 2, hidden=8))
-    cfg = config(n_rec=50, lr_x=1e30, lr_lambda=1e30)
-    messages = []
-    x, y, lam, report = recl.reconstruct(model, torch.tensor([0, 1] * 4), (16,), cfg, log=messages.append)
-    assert torch.isfinite(x).all() and x.abs().max() < 1e6  # the state before it blew up
-    assert torch.isfinite(lam).all()  # the lambdas too: kept candidates carry them into the next task
-    assert len(x) == len(y) == report["kept"] <= 8
-    assert any("not finite" in m for m in messages)
-
-
-def test_an_inversion_step_follows_the_gradient_of_cross_entropy_plus_prior():
-    """--rec-objective inversion: the first SGD step moves each candidate by -lr_x times the
-    gradient of sum_i CE(f(x_i), y_i) + L_prior (through the same smooth-backward network as
-    Eq. 3), leaves the lambdas alone, and is not the stationarity step."""
-    torch.manual_seed(0)
-    model = models.remember_start(models.MLP(16, 3, hidden=12))
-    labels = torch.tensor([0, 1, 2, 0, 1, 2])
-    cfg = config(n_rec=1, rec_objective="inversion", lr_x=0.5, sigma_x=0.7)  # some pixels outside [-1, 1]
-    x0, lam0 = recl.initial_candidates(len(labels), (16,), cfg.sigma_x, cfg.seed)
-    assert (x0.abs() > 1).any()
-    x1, _, lam1, _ = recl.reconstruct(model, labels, (16,), cfg, log=lambda *a: None)
-    candidates = x0.clone().requires_grad_()
-    net = models.with_smooth_relu(model, cfg.alpha)
-    loss = F.cross_entropy(net(candidates), labels, reduction="sum") + F.relu(candidates.abs() - 1).pow(2).sum()
-    loss.backward()
-    torch.testing.assert_close(x1, x0 - cfg.lr_x * candidates.grad)
-    torch.testing.assert_close(lam1, lam0)
-    stationarity, _, _, _ = recl.reconstruct(model, labels, (16,), config(n_rec=1, lr_x=0.5, sigma_x=0.7),
-                                             log=lambda *a: None)
-    assert not torch.allclose(stationarity, x1)
-
-
-def test_the_ce_weight_adds_exactly_its_share_of_the_inversion_gradient():
-    """Departure 5: with --ce-weight w, the first step differs from Eq. 6's alone by
-    -lr_x * w * grad sum_i CE(f(x_i), y_i), and the lambdas' step not at all."""
-    torch.manual_seed(0)
-    model = models.remember_start(models.MLP(16, 3, hidden=12))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))  # a displacement to fit
-    labels = torch.tensor([0, 1, 2, 0, 1, 2])
-    run = lambda w: recl.reconstruct(model, labels, (16,), config(n_rec=1, lr_x=0.5, sigma_x=0.3, ce_weight=w),
-                                     log=lambda *a: None)
-    (x_plain, _, lam_plain, _), (x_mixed, _, lam_mixed, report) = run(0.0), run(0.25)
-    x0, _ = recl.initial_candidates(len(labels), (16,), 0.3, 0)
-    candidates = x0.clone().requires_grad_()
-    F.cross_entropy(models.with_smooth_relu(model, config().alpha)(candidates), labels, reduction="sum").backward()
-    torch.testing.assert_close(x_mixed - x_plain, -0.5 * 0.25 * candidates.grad)
-    torch.testing.assert_close(lam_mixed, lam_plain)
-    assert set(report["first_terms"]) == {"rec", "lambda", "prior", "ce"}
-
-
 def test_inverted_candidates_are_classified_as_their_labels(trained_on_eight_digits):
     model, _ = trained_on_eight_digits
     labels = recl.candidate_labels(2, 8, 1, "cil")
@@ -259,46 +295,16 @@ def test_inverted_candidates_are_classified_as_their_labels(trained_on_eight_dig
     assert report["last_terms"]["ce"] < 0.2 * report["first_terms"]["ce"] and "rec" not in report["last_terms"]
 
 
-def test_joint_bound_trains_one_model_on_all_tasks_and_has_no_bwt(tmp_path, monkeypatch):
-    heads, build = [], models.build_model
-    monkeypatch.setattr(models, "build_model", lambda name, shape, n: heads.append(n) or build(name, shape, n))
-    for scenario, outputs in (("cil", 6), ("dil", 2)):
-        record = recl.run_continual(config(scenario=scenario, epochs=10), synthetic_tasks(scenario), "joint", True,
-                                    log=lambda *a: None)
-        assert record["method"] == "joint" and record["recl"] is False and record["BWT"] is None
-        assert len(record["acc_matrix"]) == 1 and len(record["acc_matrix"][0]) == 3
-        assert record["ACC"] == 100.0  # separable blobs, all seen together
-        assert heads[-1] == outputs  # every class at once in CIL, the shared labels in DIL
-    recl.main(["--method", "joint", "--variant", "both", "--epochs", "1", "--n-per-class", "5",
-               "--out", str(tmp_path), "--quiet"])
-    assert [p.name for p in tmp_path.iterdir()] == ["mnist-cil-joint-seed0.json"]  # --variant does not apply
-    line = f"python recl.py --method joint --variant recl --epochs 1 --n-per-class 5 --out {tmp_path}"
-    assert recl.pending_runs([line]) == []  # the file it would write is the one just written
-    table = recl.aggregate(tmp_path)
-    assert "| joint | 1 |" in table and "| n/a |" in table
-
-
-def test_paper_preset_switches_off_each_departure_unless_a_flag_is_given():
-    def run_cfg(*flags, use_recl=True):
-        cfg = recl.make_parser().parse_args(["--method", "ewc", *flags])
-        recl.check_args(cfg)
-        return recl.run_config(recl.resolve_defaults(cfg), 0, use_recl)
-
-    today, paper = run_cfg(), run_cfg("--paper")
-    assert (today.rec_target, today.freeze_old, today.filter) == ("displacement", True, True)
-    assert today.replay_noise > 0 and today.lr_x == 3.0
-    assert (paper.rec_target, paper.freeze_old, paper.filter, paper.replay_noise) == ("weights", False, False, 0.0)
-    assert paper.lr_x == 1.0 and (paper.n_rec, paper.m) == (100, 100)
-    own = strategies.settings("ewc", "cil", recl=False)  # the method's own training, not TUNED_RECL's
-    assert (paper.lr, paper.epochs, paper.hp) == (own["lr"], own["epochs"], {"ewc_lambda": own["ewc_lambda"]})
-    assert (paper.lr, paper.epochs) != (today.lr, today.epochs)
-    mixed = run_cfg("--paper", "--filter", "--rec-target", "displacement", "--replay-noise", "1", "--epochs", "3")
-    assert (mixed.filter, mixed.rec_target, mixed.replay_noise, mixed.epochs, mixed.freeze_old) == \
-        (True, "displacement", 1.0, 3, False)
-    assert (today.ce_weight, paper.ce_weight, run_cfg("--scenario", "dil").ce_weight) == (3e-4, 0.0, 0.0)
-    assert run_cfg("--rec-objective", "inversion").ce_weight == 0.0
-    assert run_cfg("--rec-objective", "inversion").lr_x == recl.INVERSION_LR_X["cil"]
-    assert run_cfg("--rec-objective", "inversion", "--scenario", "dil").lr_x == recl.INVERSION_LR_X["dil"]
+def test_nonfinite_reconstruction_is_dropped_not_trained_on():
+    torch.manual_seed(0)
+    model = models.remember_start(models.MLP(16, 2, hidden=8))
+    cfg = config(n_rec=50, lr_x=1e30, lr_lambda=1e30)
+    messages = []
+    x, y, lam, report = recl.reconstruct(model, torch.tensor([0, 1] * 4), (16,), cfg, log=messages.append)
+    assert torch.isfinite(x).all() and x.abs().max() < 1e6  # the state before it blew up
+    assert torch.isfinite(lam).all()  # the lambdas too: kept candidates carry them into the next task
+    assert len(x) == len(y) == report["finite"] <= 8
+    assert any("not finite" in m for m in messages)
 
 
 def test_earlier_reconstructions_stay_fixed_and_new_classes_start_from_noise():
@@ -325,29 +331,6 @@ def test_earlier_reconstructions_stay_fixed_and_new_classes_start_from_noise():
     assert not torch.equal(lam[free], start_lam[free])
 
 
-def test_fixed_candidates_part_computed_once_gives_the_same_loss_and_gradients():
-    """Subtracting the fixed candidates' share of Eq. 3's sum from the target once is
-    exact: the loss and the gradients for the free candidates equal the full sum's."""
-    torch.manual_seed(0)
-    net = models.with_smooth_relu(models.MLP(12, 3, hidden=7), alpha=50.0)
-    params = {k: v.detach() for k, v in net.named_parameters()}
-    target = {k: torch.randn_like(v) for k, v in params.items()}
-    x, y, lam = torch.randn(6, 12), torch.tensor([0, 1, 2, 0, 1, 2]), torch.rand(6)
-    fixed = torch.tensor([True, True, False, True, False, False])
-    free_x, free_lam = x[~fixed].clone().requires_grad_(), lam[~fixed].clone().requires_grad_()
-    fixed_part = recl.weighted_gradient_sum(net, params, x[fixed], y[fixed], lam[fixed], m=6)
-    rest = {k: target[k] - fixed_part[k] for k in target}
-    l_once = recl.reconstruction_losses(net, params, rest, 1.0, free_x, y[~fixed], free_lam, 0.05, m=6)["rec"]
-    all_x, all_lam = x.clone(), lam.clone()
-    all_x[~fixed], all_lam[~fixed] = free_x, free_lam  # the same free tensors, inside the full set
-    l_full = recl.reconstruction_losses(net, params, target, 1.0, all_x, y, all_lam, 0.05)["rec"]
-    assert torch.allclose(l_once, l_full, rtol=1e-5)
-    grads_once = torch.autograd.grad(l_once, (free_x, free_lam))
-    grads_full = torch.autograd.grad(l_full, (free_x, free_lam))
-    for a, b in zip(grads_once, grads_full):
-        assert torch.allclose(a, b, rtol=1e-4, atol=1e-7)
-
-
 def test_reconstruction_prints_progress_at_each_quarter():
     torch.manual_seed(0)
     model = models.remember_start(models.MLP(16, 2, hidden=8))
@@ -357,26 +340,7 @@ def test_reconstruction_prints_progress_at_each_quarter():
     lines = []
     recl.reconstruct(model, torch.tensor([0, 1]), (16,), config(n_rec=8), lines.append)
     assert [l.split(":")[0].strip() for l in lines] == ["step 2/8", "step 4/8", "step 6/8"]
-    assert all("loss" in l and l.rstrip().endswith("s)") for l in lines)
-
-
-def test_run_continual_passes_each_reconstruction_on_to_the_next(monkeypatch):
-    tasks = synthetic_tasks("cil", n_tasks=3)
-    seen, real_reconstruct = [], recl.reconstruct
-    def spy(model, labels, input_shape, cfg, log=print, earlier=None):
-        seen.append(earlier)
-        out = real_reconstruct(model, labels, input_shape, cfg, log, earlier)
-        seen.append(out[0].clone())
-        return out
-    monkeypatch.setattr(recl, "reconstruct", spy)
-    recl.run_continual(config(epochs=2, n_rec=3, m=2, filter=False), tasks, "finetune", True, lambda *a: None)
-    first_earlier, made_before_task_2, second_earlier, made_before_task_3 = seen
-    assert first_earlier is None
-    assert torch.equal(second_earlier[0], made_before_task_2) and len(second_earlier) == 3  # x, labels, lambdas
-    assert torch.equal(made_before_task_3[:4], made_before_task_2)  # classes 0 and 1 kept as they were
-    seen.clear()
-    recl.run_continual(config(epochs=2, n_rec=3, m=2, freeze_old=False), tasks, "finetune", True, lambda *a: None)
-    assert seen[0] is None and seen[2] is None
+    assert all("loss" in l for l in lines)
 
 
 def test_filter_keeps_exactly_the_candidates_classified_as_their_label():
@@ -388,35 +352,130 @@ def test_filter_keeps_exactly_the_candidates_classified_as_their_label():
     assert recl.classified_as_labelled(model, x, y).tolist() == [True, True, False, True, False]
 
 
-def test_filtered_candidates_are_not_trained_on(monkeypatch):
-    tasks = synthetic_tasks("cil", n_tasks=2)
-    monkeypatch.setattr(recl, "classified_as_labelled", lambda model, x, y: torch.arange(len(x)) % 2 == 0)
-    trained_on = []
-    real_train = recl.train_task
-    monkeypatch.setattr(recl, "train_task", lambda model, x, y, *a: trained_on.append(len(x)) or real_train(model, x, y, *a))
-    record = recl.run_continual(config(epochs=1, n_rec=2, m=4), tasks, "finetune", True, lambda *a: None)
-    (report,) = record["reconstructions"]
-    assert (report["candidates"], report["kept"]) == (8, 4)
-    assert trained_on == [len(tasks[0].x_train), len(tasks[1].x_train) + 4]
+# =============================================================================
+# 3. Metrics
+# =============================================================================
+
+def test_acc_and_bwt_on_a_hand_example():
+    R = [[90.0, None, None],
+         [60.0, 80.0, None],
+         [50.0, 70.0, 95.0]]
+    acc, bwt = recl.acc_and_bwt(R)
+    assert acc == pytest.approx((50 + 70 + 95) / 3)
+    assert bwt == pytest.approx(((50 - 90) + (70 - 80)) / 2)
 
 
-def test_targets_are_the_weights_or_the_displacement_relative_to_its_size():
-    model = models.remember_start(models.MLP(4, 2, hidden=3))
-    start = {k: v.clone() for k, v in model.start.items()}
-    params = {k: v + 0.5 for k, v in start.items()}
-    target, scale = recl.reconstruction_target(params, start, "weights")
-    assert target is params and scale == 1.0
-    target, scale = recl.reconstruction_target(params, start, "displacement")
-    assert all(torch.allclose(target[k], torch.full_like(v, 0.5)) for k, v in start.items())
-    n = sum(v.numel() for v in start.values())
-    assert float(scale) == pytest.approx(1 / (0.25 * n))
+# =============================================================================
+# 4. Strategies
+# =============================================================================
+
+def test_agem_projection_removes_conflict_with_memory_gradient():
+    torch.manual_seed(0)
+    model = models.MLP(6, 2, hidden=5, first_init_scale=1.0)
+    state = strategies.new_state("agem", agem_batch=10)
+    mx, my = torch.randn(10, 6), torch.randint(0, 2, (10,))
+    state["memory_x"], state["memory_y"] = mx, my
+    params = list(model.parameters())
+    g_ref = torch.autograd.grad(F.cross_entropy(model(mx), my), params)
+    flat_ref = torch.cat([g.flatten() for g in g_ref])
+    for p, g in zip(params, g_ref):  # a gradient that conflicts: -g_ref plus noise
+        p.grad = -g + 0.1 * torch.randn_like(g)
+    assert torch.cat([p.grad.flatten() for p in params]) @ flat_ref < 0
+    strategies.agem_after_backward(model, state)
+    projected = torch.cat([p.grad.flatten() for p in params])
+    assert projected @ flat_ref == pytest.approx(0.0, abs=1e-6)
+    # a gradient that agrees with the memory is left alone
+    for p, g in zip(params, g_ref):
+        p.grad = g.clone()
+    strategies.agem_after_backward(model, state)
+    torch.testing.assert_close(torch.cat([p.grad.flatten() for p in params]), flat_ref)
 
 
-def test_candidate_labels_cover_old_classes_evenly():
-    assert recl.candidate_labels(4, 3, 2, "cil").tolist() == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3
-    # DIL: the two labels are shared by all tasks, so m per class per old task
-    assert recl.candidate_labels(2, 3, 2, "dil").tolist() == [0] * 6 + [1] * 6
+def test_gpm_bases_are_orthonormal_and_projected_gradients_orthogonal_to_them():
+    torch.manual_seed(0)
+    model = models.MLP(20, 3, hidden=16, first_init_scale=1.0)
+    state = strategies.new_state("gpm", gpm_threshold=0.9)
+    for task_seed in range(2):  # two tasks: the second extends the bases
+        x = torch.randn(30, 20) @ torch.randn(20, 20)[:, :20] * (task_seed + 1)
+        strategies.gpm_after_task(model, data.loader(x, torch.zeros(len(x)), 64, shuffle=False), state)
+    for name, basis in state["bases"].items():
+        torch.testing.assert_close(basis.T @ basis, torch.eye(basis.shape[1]), atol=1e-5, rtol=0)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    strategies.gpm_after_backward(model, state)
+    for name, layer in strategies.projected_layers(model).items():
+        residual = layer.weight.grad @ state["bases"][name]
+        assert residual.abs().max() < 1e-5, name
 
+
+def test_gpm_basis_holds_the_threshold_of_energy():
+    torch.manual_seed(0)
+    activations = torch.randn(10, 40) * torch.linspace(3, 0.1, 10)[:, None]
+    basis = strategies.extend_basis(None, activations, 0.9)
+    kept = (basis.T @ activations).pow(2).sum() / activations.pow(2).sum()
+    assert kept >= 0.9
+    smaller = basis[:, :-1]  # one vector fewer would not be enough
+    assert (smaller.T @ activations).pow(2).sum() / activations.pow(2).sum() < 0.9
+
+
+def test_ewc_leaves_new_head_rows_free_and_penalises_old_weights():
+    torch.manual_seed(0)
+    model = models.MLP(6, 2, hidden=5, first_init_scale=1.0)
+    state = strategies.new_state("ewc")
+    x, y = torch.randn(8, 6), torch.randint(0, 2, (8,))
+    strategies.ewc_after_task(model, data.loader(x, y, 64, shuffle=False), state)
+    models.grow_head(model, 4)
+    with torch.no_grad():
+        model.head.weight[2:] += 5.0  # moving only new rows costs nothing
+    assert strategies.ewc_loss(model, x, y, None, state).item() == 0.0
+    with torch.no_grad():
+        model.head.weight[:2] += 0.5
+    assert strategies.ewc_loss(model, x, y, None, state).item() > 0.0
+
+
+def test_after_task_hooks_read_the_loader_as_they_would_read_the_whole_task():
+    """EWC's Fisher, the ER and A-GEM memories and GPM's bases, from a task's loader in
+    batches, equal what the same formulas give on the task's tensors at once."""
+    torch.manual_seed(0)
+    model = models.MLP(12, 3, hidden=10, first_init_scale=1.0)
+    x, y = torch.randn(150, 12), torch.randint(0, 3, (150,))
+    batches = lambda: data.loader(x, y, 64, shuffle=False)
+    state = strategies.new_state("ewc")
+    strategies.ewc_after_task(model, batches(), state)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    for k, p in params.items():  # the empirical Fisher, one sample at a time
+        one = lambda xi, yi: torch.autograd.grad(F.cross_entropy(model(xi[None]), yi[None]), dict(model.named_parameters())[k])[0]
+        expected = sum(one(x[i], y[i]).pow(2) for i in range(len(x))) / len(x)
+        torch.testing.assert_close(state["fisher"][k], expected, atol=1e-6, rtol=1e-4)
+    for method, hook, n in (("er", strategies.er_after_task, 15), ("agem", strategies.agem_after_task, 50)):
+        state = strategies.new_state(method)
+        torch.manual_seed(1)
+        hook(model, batches(), state)
+        torch.manual_seed(1)
+        expected_x, expected_y = strategies.sample_rows(x, y, n)
+        assert torch.equal(state["memory_x"], expected_x) and torch.equal(state["memory_y"], expected_y)
+    state = strategies.new_state("gpm", gpm_samples=100)
+    strategies.gpm_after_task(model, batches(), state)
+    for name, r in strategies.layer_inputs(model, x[:100]).items():
+        torch.testing.assert_close(state["bases"][name], strategies.extend_basis(None, r.T, 0.99))
+
+
+def test_lwf_loss_is_zero_against_itself_and_positive_after_change():
+    torch.manual_seed(0)
+    model = models.MLP(6, 2, hidden=5, first_init_scale=1.0)
+    state = strategies.new_state("lwf")
+    x = torch.randn(8, 6)
+    strategies.lwf_after_task(model, None, state)
+    assert strategies.lwf_loss(model, x, None, model(x), state).item() == pytest.approx(0.0, abs=1e-6)
+    models.grow_head(model, 4)
+    with torch.no_grad():
+        model.head.weight[:2] *= 3
+    assert strategies.lwf_loss(model, x, None, model(x), state).item() > 1e-4
+
+
+# =============================================================================
+# 5. The loop
+# =============================================================================
 
 def test_replay_noise_is_fresh_on_reconstructions_only_and_has_the_stated_size():
     """train_task adds N(0, (replay_noise * std of the task's images)^2) to the replayed rows
@@ -449,122 +508,54 @@ def test_replay_noise_is_fresh_on_reconstructions_only_and_has_the_stated_size()
     assert sorted(seen[0].flatten(1).tolist()) == sorted(new.flatten(1).tolist())
 
 
-# --- metrics ---------------------------------------------------------------------
-
-def test_acc_and_bwt_on_a_hand_example():
-    R = [[90.0, None, None],
-         [60.0, 80.0, None],
-         [50.0, 70.0, 95.0]]
-    acc, bwt = recl.acc_and_bwt(R)
-    assert acc == pytest.approx((50 + 70 + 95) / 3)
-    assert bwt == pytest.approx(((50 - 90) + (70 - 80)) / 2)
-
-
-# --- models ------------------------------------------------------------------------
-
-def test_grown_head_keeps_old_outputs_and_first_layer_is_small():
-    torch.manual_seed(0)
-    model = models.MLP(10, 2)
-    assert model.fc1.weight.abs().max() < 1e-3
-    assert model.fc2.bias is None and model.head.bias is None
-    x = torch.randn(4, 10)
-    before = model(x)
-    models.grow_head(model, 5)
-    after = model(x)
-    assert after.shape == (4, 5)
-    torch.testing.assert_close(after[:, :2], before)
+def test_run_continual_passes_each_reconstruction_on_to_the_next(monkeypatch):
+    tasks = synthetic_tasks("cil", n_tasks=3)
+    seen, real_reconstruct = [], recl.reconstruct
+    def spy(model, labels, input_shape, cfg, log=print, earlier=None):
+        seen.append(earlier)
+        out = real_reconstruct(model, labels, input_shape, cfg, log, earlier)
+        seen.append(out[0].clone())
+        return out
+    monkeypatch.setattr(recl, "reconstruct", spy)
+    recl.run_continual(config(epochs=2, n_rec=3, m=2, filter=False), tasks, "finetune", True, lambda *a: None)
+    first_earlier, made_before_task_2, second_earlier, made_before_task_3 = seen
+    assert first_earlier is None
+    assert torch.equal(second_earlier[0], made_before_task_2) and len(second_earlier) == 3  # x, labels, lambdas
+    assert torch.equal(made_before_task_3[:4], made_before_task_2)  # classes 0 and 1 kept as they were
+    seen.clear()
+    recl.run_continual(config(epochs=2, n_rec=3, m=2, freeze_old=False), tasks, "finetune", True, lambda *a: None)
+    assert seen[0] is None and seen[2] is None
 
 
-def test_start_weights_follow_the_growing_head():
-    torch.manual_seed(0)
-    model = models.build_model("mlp", (10,), 2)
-    with torch.no_grad():
-        model.head.weight.add_(1.0)  # "training" moves the old rows
-    models.grow_head(model, 5)
-    start = models.start_weights(model)
-    assert start["head.weight"].shape == model.head.weight.shape
-    moved = model.head.weight - start["head.weight"]
-    torch.testing.assert_close(moved[:2], torch.ones(2, 1000))  # what training added
-    assert moved[2:].abs().max() == 0  # new rows have not moved yet
+def test_filtered_candidates_are_not_trained_on(monkeypatch):
+    tasks = synthetic_tasks("cil", n_tasks=2)
+    monkeypatch.setattr(recl, "classified_as_labelled", lambda model, x, y: torch.arange(len(x)) % 2 == 0)
+    trained_on = []
+    real_train = recl.train_task
+    monkeypatch.setattr(recl, "train_task", lambda model, x, y, *a: trained_on.append(len(x)) or real_train(model, x, y, *a))
+    record = recl.run_continual(config(epochs=1, n_rec=2, m=4), tasks, "finetune", True, lambda *a: None)
+    (report,) = record["reconstructions"]
+    assert (report["candidates"], report["kept"]) == (8, 4)
+    assert trained_on == [len(tasks[0].x_train), len(tasks[1].x_train) + 4]
 
 
-# --- strategies --------------------------------------------------------------------
-
-def test_agem_projection_removes_conflict_with_memory_gradient():
-    torch.manual_seed(0)
-    model = models.MLP(6, 2, hidden=5, first_init_scale=1.0)
-    state = strategies.new_state("agem", agem_batch=10)
-    mx, my = torch.randn(10, 6), torch.randint(0, 2, (10,))
-    state["memory_x"], state["memory_y"] = mx, my
-    params = list(model.parameters())
-    g_ref = torch.autograd.grad(F.cross_entropy(model(mx), my), params)
-    flat_ref = torch.cat([g.flatten() for g in g_ref])
-    for p, g in zip(params, g_ref):  # a gradient that conflicts: -g_ref plus noise
-        p.grad = -g + 0.1 * torch.randn_like(g)
-    assert torch.cat([p.grad.flatten() for p in params]) @ flat_ref < 0
-    strategies.agem_after_backward(model, state)
-    projected = torch.cat([p.grad.flatten() for p in params])
-    assert projected @ flat_ref == pytest.approx(0.0, abs=1e-6)
-    # a gradient that agrees with the memory is left alone
-    for p, g in zip(params, g_ref):
-        p.grad = g.clone()
-    strategies.agem_after_backward(model, state)
-    torch.testing.assert_close(torch.cat([p.grad.flatten() for p in params]), flat_ref)
-
-
-def test_gpm_bases_are_orthonormal_and_projected_gradients_orthogonal_to_them():
-    torch.manual_seed(0)
-    model = models.MLP(20, 3, hidden=16, first_init_scale=1.0)
-    state = strategies.new_state("gpm", gpm_threshold=0.9)
-    for task_seed in range(2):  # two tasks: the second extends the bases
-        x = torch.randn(30, 20) @ torch.randn(20, 20)[:, :20] * (task_seed + 1)
-        strategies.gpm_after_task(model, data.Task([0], x, None, None, None), state)
-    for name, basis in state["bases"].items():
-        torch.testing.assert_close(basis.T @ basis, torch.eye(basis.shape[1]), atol=1e-5, rtol=0)
-    for p in model.parameters():
-        p.grad = torch.randn_like(p)
-    strategies.gpm_after_backward(model, state)
-    for name, layer in strategies.projected_layers(model).items():
-        residual = layer.weight.grad @ state["bases"][name]
-        assert residual.abs().max() < 1e-5, name
-
-
-def test_gpm_basis_holds_the_threshold_of_energy():
-    torch.manual_seed(0)
-    activations = torch.randn(10, 40) * torch.linspace(3, 0.1, 10)[:, None]
-    basis = strategies.extend_basis(None, activations, 0.9)
-    kept = (basis.T @ activations).pow(2).sum() / activations.pow(2).sum()
-    assert kept >= 0.9
-    smaller = basis[:, :-1]  # one vector fewer would not be enough
-    assert (smaller.T @ activations).pow(2).sum() / activations.pow(2).sum() < 0.9
-
-
-def test_ewc_leaves_new_head_rows_free_and_penalises_old_weights():
-    torch.manual_seed(0)
-    model = models.MLP(6, 2, hidden=5, first_init_scale=1.0)
-    state = strategies.new_state("ewc")
-    x, y = torch.randn(8, 6), torch.randint(0, 2, (8,))
-    strategies.ewc_after_task(model, data.Task([0, 1], x, y, None, None), state)
-    models.grow_head(model, 4)
-    with torch.no_grad():
-        model.head.weight[2:] += 5.0  # moving only new rows costs nothing
-    assert strategies.ewc_loss(model, x, y, None, state).item() == 0.0
-    with torch.no_grad():
-        model.head.weight[:2] += 0.5
-    assert strategies.ewc_loss(model, x, y, None, state).item() > 0.0
-
-
-def test_lwf_loss_is_zero_against_itself_and_positive_after_change():
-    torch.manual_seed(0)
-    model = models.MLP(6, 2, hidden=5, first_init_scale=1.0)
-    state = strategies.new_state("lwf")
-    x = torch.randn(8, 6)
-    strategies.lwf_after_task(model, None, state)
-    assert strategies.lwf_loss(model, x, None, model(x), state).item() == pytest.approx(0.0, abs=1e-6)
-    models.grow_head(model, 4)
-    with torch.no_grad():
-        model.head.weight[:2] *= 3
-    assert strategies.lwf_loss(model, x, None, model(x), state).item() > 1e-4
+def test_joint_bound_trains_one_model_on_all_tasks_and_has_no_bwt(tmp_path, monkeypatch):
+    heads, build = [], models.build_model
+    monkeypatch.setattr(models, "build_model", lambda name, shape, n: heads.append(n) or build(name, shape, n))
+    for scenario, outputs in (("cil", 6), ("dil", 2)):
+        record = recl.run_continual(config(scenario=scenario, epochs=10), synthetic_tasks(scenario), "joint", True,
+                                    log=lambda *a: None)
+        assert record["method"] == "joint" and record["recl"] is False and record["BWT"] is None
+        assert len(record["acc_matrix"]) == 1 and len(record["acc_matrix"][0]) == 3
+        assert record["ACC"] == 100.0  # separable blobs, all seen together
+        assert heads[-1] == outputs  # every class at once in CIL, the shared labels in DIL
+    recl.main(["--method", "joint", "--variant", "both", "--epochs", "1", "--n-per-class", "5",
+               "--out", str(tmp_path), "--quiet"])
+    assert [p.name for p in tmp_path.iterdir()] == ["mnist-cil-joint-seed0.json"]  # --variant does not apply
+    line = f"python recl.py --method joint --variant recl --epochs 1 --n-per-class 5 --out {tmp_path}"
+    assert experiments.pending_runs([line]) == []  # the file it would write is the one just written
+    table = experiments.aggregate(tmp_path)
+    assert "| joint | 1 |" in table and "| n/a |" in table
 
 
 @pytest.mark.parametrize("scenario", ["cil", "dil"])
@@ -604,468 +595,9 @@ def test_same_seed_gives_same_numbers():
     assert runs[0]["acc_matrix"] == runs[1]["acc_matrix"]
 
 
-# --- data ------------------------------------------------------------------------
-
-def test_split_mnist_layout():
-    tasks, order, mean = data.make_tasks("mnist", seed=3, n_per_class=20, scenario="cil")
-    assert sorted(order) == list(range(10)) and len(tasks) == 5
-    assert order == data.make_tasks("mnist", seed=3, n_per_class=20)[1]
-    assert order != data.make_tasks("mnist", seed=4, n_per_class=20)[1]
-    for t, task in enumerate(tasks):
-        assert task.classes == order[2 * t:2 * t + 2]
-        assert task.x_train.shape == (40, 1, 28, 28) and task.x_test.shape == (2 * 480, 1, 28, 28)
-        assert sorted(set(task.y_train.tolist())) == [2 * t, 2 * t + 1]
-    x_all = torch.cat([t.x_train for t in tasks])
-    assert x_all.mean(0).abs().max() < 1e-5  # the training mean image is subtracted
-    assert x_all.abs().max() <= 1.0
-    dil, _, _ = data.make_tasks("mnist", seed=3, n_per_class=20, scenario="dil")
-    assert all(sorted(set(t.y_test.tolist())) == [0, 1] for t in dil)
-    torch.testing.assert_close(dil[2].x_train, tasks[2].x_train)
-
-
-def test_missing_and_corrupt_dataset_files_raise_data_error(tmp_path):
-    with pytest.raises(data.DataError, match="not found"):
-        data.load_mnist_subset(tmp_path / "nope.csv.gz")
-    bad = tmp_path / "bad.csv.gz"
-    bad.write_bytes(b"this is not gzip")
-    with pytest.raises(data.DataError, match="not a gzip CSV"):
-        data.load_mnist_subset(bad)
-    short = tmp_path / "short.csv.gz"
-    short.write_bytes(gzip.compress(b"1,2,3\n"))
-    with pytest.raises(data.DataError):
-        data.load_mnist_subset(short)
-
-
-def test_a_csv_parsed_once_is_reused_by_content_and_never_shared(tmp_path):
-    path = tmp_path / "two.csv.gz"
-    row = lambda value, label: ",".join([str(value)] * 784 + [str(label)])
-    path.write_bytes(gzip.compress((row(7, 3) + "\n" + row(9, 4) + "\n").encode()))
-    images, labels = data.load_mnist_subset(path)
-    images.zero_()  # a caller that writes into what it got
-    again, _ = data.load_mnist_subset(path)
-    assert again[:, 0, 0, 0].tolist() == [7, 9] and labels.tolist() == [3, 4]
-    path.write_bytes(gzip.compress((row(1, 0) + "\n").encode()))  # same file name, new content
-    changed, changed_labels = data.load_mnist_subset(path)
-    assert changed[:, 0, 0, 0].tolist() == [1] and changed_labels.tolist() == [0]
-
-
-# --- command line ------------------------------------------------------------------
-
-@pytest.mark.parametrize("argv, words", [
-    (["--method", "magic"], "invalid choice"),
-    (["--lr", "-1"], "--lr must be a positive"),
-    (["--lr", "nan"], "--lr must be a positive"),
-    (["--epochs", "0"], "--epochs must be a positive"),
-    (["--n-per-class", "600"], "more than mnist allows"),
-    (["--m", "0"], "--m must be a positive"),
-    (["--seeds", "two"], "invalid int"),
-    (["--method", "ewc", "--hp", "lwf_lambda=2"], "ewc has ewc_lambda"),
-    (["--method", "finetune", "--hp", "x=1"], "finetune has no hyperparameters"),
-    (["--method", "ewc", "--hp", "ewc_lambda=inf"], "needs a finite number"),
-    (["--method", "ewc", "--hp", "ewc_lambda=big"], "is not KEY=NUMBER"),
-    (["--tune", "--lr", "0.1"], "--tune chooses --lr and --epochs itself"),
-    (["--ce-weight", "-1"], "--ce-weight must be a finite number >= 0"),
-    (["--rec-objective", "inversion", "--ce-weight", "1"], "it would do nothing"),
-    (["--rec-objective", "gradient"], "invalid choice"),
-])
-def test_bad_cli_values_are_rejected_with_a_reason(argv, words):
-    with pytest.raises(recl.UsageError, match=words):
-        recl.main(argv)
-
-
-def test_bad_cli_input_exits_nonzero_with_one_line():
-    result = subprocess.run([sys.executable, str(HERE / "recl.py"), "--method", "magic"],
-                            capture_output=True, text=True, cwd=HERE)
-    assert result.returncode != 0
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "invalid choice: 'magic'" in lines[0]
-
-
-def test_method_hyperparameters_come_from_the_command_line(tmp_path):
-    recl.main(["--method", "agem", "--hp", "agem_patterns_per_task=7", "--variant", "base", "--epochs", "1",
-               "--n-per-class", "5", "--out", str(tmp_path), "--quiet"])
-    record = json.loads((tmp_path / "mnist-cil-agem-seed0.json").read_text())
-    assert record["config"]["hp"] == {"agem_patterns_per_task": 7, "agem_batch": 256}  # the rest: defaults
-
-
-def test_main_writes_one_json_per_run(tmp_path, capsys):
-    recl.main(["--method", "finetune", "--variant", "both", "--epochs", "1", "--n-per-class", "5",
-               "--n-rec", "2", "--out", str(tmp_path), "--quiet"])
-    files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == ["mnist-cil-finetune+recl-seed0.json", "mnist-cil-finetune-seed0.json"]
-    record = json.loads((tmp_path / files[0]).read_text())
-    for key in ("method", "recl", "scenario", "dataset", "seed", "class_order", "acc_matrix",
-                "ACC", "BWT", "seconds", "config"):
-        assert key in record
-    assert record["recl"] is True and record["config"]["n_rec"] == 2
-    assert record["provenance"]["torch"] == torch.__version__ and record["provenance"]["threads"] >= 1
-    assert "finetune+recl cil seed 0: ACC" in capsys.readouterr().out
-
-
-# --- results files and run_all.sh ------------------------------------------------
-
-def fake_record(method, use_recl, seed, acc, bwt, scenario="cil"):
-    return {"method": method, "recl": use_recl, "scenario": scenario, "dataset": "mnist",
-            "seed": seed, "ACC": acc, "BWT": bwt, "seconds": 10.0}
-
-
-def test_aggregate_gives_mean_and_std_per_variant_and_ignores_partial_files(tmp_path):
-    for seed, (acc, bwt) in enumerate([(50, -40), (60, -30), (70, -20)]):
-        recl.write_json_atomically(tmp_path / f"a{seed}.json", fake_record("ewc", False, seed, acc, bwt))
-    recl.write_json_atomically(tmp_path / "b.json", fake_record("ewc", True, 0, 80, -5))
-    recl.write_json_atomically(tmp_path / "c.json", fake_record("finetune", False, 0, 40, -50, "dil"))
-    (tmp_path / ".d.json.123.tmp").write_text('{"half a')  # a run killed mid-write
-    table = recl.aggregate(tmp_path)
-    assert "| ewc | 3 | 60.00 (10.00) | -30.00 (10.00) |  |  | 10.0 |" in table
-    assert "| ewc+recl | 1 | 80.00 (0.00) | -5.00 (0.00) |  |  | 10.0 |" in table
-    cil, dil = table.split("### mnist, DIL")
-    assert "finetune" not in cil and "| finetune | 1 | 40.00 (0.00)" in dil
-
-
-def test_write_json_atomically_leaves_no_temporary_file(tmp_path):
-    path = tmp_path / "sub" / "run.json"
-    recl.write_json_atomically(path, {"ACC": 1.5})
-    assert json.loads(path.read_text()) == {"ACC": 1.5}
-    assert [p.name for p in path.parent.iterdir()] == ["run.json"]
-
-
-def config_a_run_records(args):
-    """The config `python recl.py ARGS` (one seed, one variant) would write into its JSON."""
-    cfg = recl.make_parser().parse_args(args)
-    recl.check_args(cfg)
-    cfg = recl.resolve_defaults(cfg)
-    return vars(recl.run_config(cfg, cfg.seed, cfg.variant == "recl"))
-
-
-def test_run_all_skips_finished_runs_and_reruns_stale_ones(tmp_path):
-    common = ["--dataset", "mnist", "--scenario", "cil", "--method", "finetune", "--out", str(tmp_path), "--epochs", "3"]
-    done = {**fake_record("finetune", False, 0, 1, 1),
-            "config": config_a_run_records(common + ["--variant", "base", "--seed", "0"])}
-    del done["config"]["rec_objective"]  # made before the flag existed: it counts as its default
-    path, line = tmp_path / "mnist-cil-finetune-seed0.json", f"python recl.py {' '.join(common)} --variant base --seed 0"
-    recl.write_json_atomically(path, done)
-    assert recl.pending_runs([line]) == []
-    before = {k: v for k, v in done["config"].items() if k != "ce_weight"}  # CIL had no CE term then
-    recl.write_json_atomically(path, {**done, "config": before})
-    assert recl.pending_runs([line], lambda message: None) == [line]
-    dil = config_a_run_records(common + ["--variant", "base", "--seed", "0", "--scenario", "dil"])
-    assert dil["ce_weight"] == recl.ADDED_LATER["ce_weight"]  # a DIL run from before stays current
-    recl.write_json_atomically(path, done)
-    stale = {**fake_record("finetune", True, 1, 1, 1),  # made before a default changed
-             "config": {**config_a_run_records(common + ["--variant", "recl", "--seed", "1"]), "n_rec": 50}}
-    recl.write_json_atomically(tmp_path / "mnist-cil-finetune+recl-seed1.json", stale)
-    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "DRY_RUN": "1", "DATA_ROOT": str(tmp_path), "SEEDS": "2", "METHODS": "finetune gpm",
-           "SCENARIOS": "cil", "RESULTS": str(tmp_path), "DATASETS": "mnist cifar10"}
-    result = subprocess.run(["bash", str(HERE / "run_all.sh"), "--epochs", "3"],
-                            capture_output=True, text=True, env=env)
-    assert result.returncode == 0, result.stderr
-    runs = [line for line in result.stdout.splitlines() if "recl.py" in line]
-    assert len(runs) == 11  # 2 methods x 3 variants x 2 seeds, less the finished one; the stale one is redone
-    assert not any("--method finetune --variant base --seed 0" in r for r in runs)
-    assert any("--method finetune --variant recl --seed 1" in r for r in runs)
-    assert sum("--method gpm --variant recl --rec-objective inversion" in r for r in runs) == 2
-    assert "stale:" in result.stderr and "mnist-cil-finetune+recl-seed1.json (n_rec 50 -> 100)" in result.stderr
-    assert all(r.rstrip().endswith("--epochs 3") for r in runs)
-    assert "skipping cifar10: CIFAR10 is not under" in result.stderr
-
-
-def test_a_changed_tuned_setting_makes_a_result_stale(tmp_path, monkeypatch):
-    args = ["--method", "ewc", "--variant", "base", "--seed", "0", "--out", str(tmp_path)]
-    recl.write_json_atomically(tmp_path / "mnist-cil-ewc-seed0.json", {"config": config_a_run_records(args)})
-    line = "python recl.py " + " ".join(args)
-    assert recl.pending_runs([line]) == []
-    monkeypatch.setitem(strategies.TUNED, "cil", {"ewc": {"lr": 0.5, "epochs": 20, "ewc_lambda": 1000.0}})
-    said = []
-    assert recl.pending_runs([line], said.append) == [line]
-    assert "lr 0.01 -> 0.5" in said[0]
-
-
-def test_aggregate_warns_when_one_row_mixes_settings(tmp_path, capsys):
-    for seed, n_rec in enumerate([100, 100, 30]):
-        record = {**fake_record("finetune", True, seed, 70, -20), "config": {"seed": seed, "n_rec": n_rec, "out": "x"}}
-        recl.write_json_atomically(tmp_path / f"r{seed}.json", record)
-    recl.aggregate(tmp_path)
-    assert "mnist cil finetune+recl mixes runs made with different settings (n_rec 100 -> 30)" in capsys.readouterr().err
-    recl.write_json_atomically(tmp_path / "r2.json", {**fake_record("finetune", True, 2, 70, -20),
-                                                      "config": {"seed": 2, "n_rec": 100, "out": "elsewhere"}})
-    recl.aggregate(tmp_path)
-    assert "mixes" not in capsys.readouterr().err  # seed and output folder do not count
-
-
-def test_quick_presets_yield_to_explicit_knobs(tmp_path):
-    result, runs = run_all_dry(tmp_path, QUICK="1", SEEDS="3", METHODS="finetune", RESULTS=str(tmp_path))
-    assert result.returncode == 0, result.stderr
-    assert len(runs) == 9  # 3 seeds x 3 variants, not QUICK's one seed
-    quick_only, runs = run_all_dry(tmp_path, QUICK="1", METHODS="finetune", RESULTS=str(tmp_path))
-    assert len(runs) == 3
-    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "DRY_RUN": "1", "SCENARIOS": "cil", "QUICK": "1",
-           "METHODS": "finetune", "RESULTS": str(tmp_path)}
-    result = subprocess.run(["bash", str(HERE / "run_all.sh"), "--epochs", "9", "--n-rec", "7"],
-                            capture_output=True, text=True, env=env)
-    line = next(l for l in result.stdout.splitlines() if "recl.py" in l)
-    cfg = recl.make_parser().parse_args(line.split("recl.py")[1].split())
-    assert (cfg.epochs, cfg.n_rec) == (9, 7)  # the flags given win over QUICK's 5 and 20
-
-
-def test_aggregate_draws_a_well_formed_chart_with_one_bar_per_method_and_variant(tmp_path):
-    import xml.etree.ElementTree as ET
-    for scenario in ("cil", "dil"):
-        for method in ("finetune", "gpm"):
-            for use_recl, objective, acc in ((False, "stationarity", 50.0), (True, "stationarity", 70.0),
-                                             (True, "inversion", 60.0)):
-                for seed in range(2):
-                    record = {**fake_record(method, use_recl, seed, acc + seed, -10, scenario),
-                              "config": {"rec_objective": objective, "seed": seed}}
-                    recl.write_json_atomically(tmp_path / f"{scenario}-{method}-{acc}-{seed}.json", record)
-    recl.write_json_atomically(tmp_path / "d.json", {**fake_record("er", False, 0, None, None), "diverged": "nan"})
-    recl.aggregate(tmp_path)
-    root = ET.parse(tmp_path / "chart-mnist.svg").getroot()  # raises if not well-formed XML
-    ns = "{http://www.w3.org/2000/svg}"
-    bars = [r for r in root.iter(ns + "rect") if r.get("class") == "bar"]
-    assert sorted((b.get("data-scenario"), b.get("data-method")) for b in bars) == sorted(
-        (s, m + v) for s in ("cil", "dil") for m in ("finetune", "gpm") for v in ("", "+recl", "+inversion"))  # no ER
-    heights = {(b.get("data-scenario"), b.get("data-method")): float(b.get("height")) for b in bars}
-    assert heights[("cil", "gpm+recl")] == pytest.approx(heights[("cil", "gpm")] * 70.5 / 50.5, rel=1e-2)
-    assert heights[("cil", "gpm+inversion")] == pytest.approx(heights[("cil", "gpm")] * 60.5 / 50.5, rel=1e-2)
-    paper = [l for l in root.iter(ns + "line") if l.get("class") == "paper"]
-    assert len(paper) == 8  # the paper's value over each method and +ReCL bar, none over inversion
-
-
-# --- runs that go wrong -----------------------------------------------------------
-
-def test_a_diverged_run_says_so_exits_nonzero_and_is_never_averaged(tmp_path):
-    command = [sys.executable, str(HERE / "recl.py"), "--variant", "base", "--lr", "10000", "--epochs", "2",
-               "--n-per-class", "5", "--out", str(tmp_path), "--quiet"]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=HERE)
-    assert result.returncode != 0
-    assert result.stderr.count("\n") == 1 and "diverged: training loss" in result.stderr
-    record = json.loads((tmp_path / "mnist-cil-finetune-seed0.json").read_text())
-    assert record["ACC"] is None and record["BWT"] is None and "of task" in record["diverged"]
-    recl.write_json_atomically(tmp_path / "mnist-cil-finetune-seed1.json", fake_record("finetune", False, 1, 60, -30))
-    table = recl.aggregate(tmp_path)
-    assert "| finetune | 1 | 60.00 (0.00) |" in table  # the diverged seed is not in the mean
-    assert "Diverged, not averaged: finetune seed 0 (training loss" in table
-
-
-def test_a_diverged_trial_counts_as_failed_in_the_search(tmp_path, monkeypatch):
-    monkeypatch.setattr(strategies, "TRAINING_GRID", {"lr": [10000.0, 0.01], "epochs": [2]})
-    recl.main(["--tune", "--method", "finetune", "--trials", "2", "--n-per-class", "10", "--out", str(tmp_path),
-               "--quiet"])
-    trials = json.loads((tmp_path / "mnist-cil-finetune-tuning-seed0.json").read_text())["trials"]
-    assert trials[0]["settings"]["lr"] == 0.01 and trials[0]["val_ACC"] > 0
-    assert trials[1]["val_ACC"] is None and trials[1]["diverged"].startswith("training loss")
-    assert "| mnist | cil | finetune | lr 0.01, epochs 2 |" in recl.aggregate(tmp_path)
-
-
-def test_help_gives_every_flag_a_meaning_and_its_default():
-    parser = recl.make_parser()
-    text = parser.format_help()
-    for action in parser._actions:
-        assert action.help, f"{action.option_strings} has no help"
-    for shown in ["--n-rec N_REC         reconstruction steps before each task (default: 100)",
-                  "(default: displacement; weights with --paper)", "first seed (default: 0)",
-                  "(default: 0.001)"]:
-        assert " ".join(shown.split()) in " ".join(text.split())
-    assert "label (default: on; off with --paper)" in " ".join(text.split())
-
-
-def test_tuning_table_reports_the_best_validation_trial(tmp_path):
-    trials = [{"settings": {"lr": 0.1, "epochs": 10}, "val_ACC": 40.0},
-              {"settings": {"lr": 0.01, "epochs": 40}, "val_ACC": 55.5}]
-    recl.write_json_atomically(tmp_path / "t.json", {"method": "er", "scenario": "dil", "dataset": "mnist",
-                                                      "seed": 0, "trials": trials})
-    assert "| mnist | dil | er | lr 0.01, epochs 40 | 55.50 | 2 |" in recl.aggregate(tmp_path)
-
-
-# --- method hyperparameters: validation split, search, tuned defaults -----------
-
-def test_validation_split_holds_out_training_images_and_drops_the_test_set():
-    tasks = synthetic_tasks("cil", per_class=10)
-    split = data.validation_split(tasks, fraction=0.2, seed=0)
-    for old, new in zip(tasks, split):
-        assert len(new.x_test) == 4 and len(new.x_train) == 16
-        everything = torch.cat([new.x_train, new.x_test])
-        # the same images as the training set, each once, and none of the test images
-        assert torch.equal(everything.flatten(1).sort(0).values, old.x_train.flatten(1).sort(0).values)
-        assert torch.cdist(new.x_test.flatten(1), old.x_test.flatten(1)).min() > 0
-        assert torch.cdist(new.x_test.flatten(1), new.x_train.flatten(1)).min() > 0
-    with pytest.raises(data.DataError, match="cannot spare"):
-        data.validation_split(tasks, fraction=1.0)
-
-
-def test_tune_searches_the_grid_on_validation_data_only(tmp_path, monkeypatch):
-    path = tmp_path / "toy.pt"
-    torch.save({"x_train": 0.5 * torch.rand(40, 8), "y_train": torch.arange(40) % 4,
-                "x_test": torch.ones(8, 8), "y_test": torch.arange(8) % 4}, path)  # test: all ones
-    seen, with_recl = [], []
-    real_run = recl.run_continual
-    def spy(cfg, tasks, method, use_recl, log=print, mean_image=None):
-        seen.append((cfg.lr, cfg.epochs, cfg.hp, tasks))
-        with_recl.append(use_recl)
-        return real_run(cfg, tasks, method, use_recl, log, mean_image)
-    monkeypatch.setattr(recl, "run_continual", spy)
-    monkeypatch.setattr(strategies, "TRAINING_GRID", {"lr": [0.01, 0.1], "epochs": [1]})
-    recl.main(["--tune", "--dataset", str(path), "--method", "ewc", "--trials", "3", "--n-per-class", "10",
-               "--out", str(tmp_path), "--quiet"])
-    assert len(seen) == 3 and len({(lr, hp["ewc_lambda"]) for lr, _, hp, _ in seen}) == 3  # distinct draws
-    for _, epochs, _, tasks in seen:
-        assert epochs == 1 and all((t.x_test < 0.5).all() for t in tasks)  # never the test images
-    saved = json.loads((tmp_path / "toy-cil-ewc-tuning-seed0.json").read_text())
-    scores = [t["val_ACC"] for t in saved["trials"]]
-    assert scores == sorted(scores, reverse=True) and not any(with_recl)
-    recl.main(["--tune", "--variant", "recl", "--dataset", str(path), "--method", "ewc", "--trials", "1",
-               "--n-per-class", "10", "--n-rec", "2", "--out", str(tmp_path), "--quiet"])
-    assert with_recl[-1] and (tmp_path / "toy-cil-ewc+recl-tuning-seed0.json").exists()
-
-
-def test_runs_start_from_tuned_settings_unless_the_command_line_says_otherwise(tmp_path, monkeypatch):
-    monkeypatch.setitem(strategies.TUNED, "cil", {"ewc": {"lr": 0.02, "epochs": 1, "ewc_lambda": 5.0}})
-    common = ["--method", "ewc", "--variant", "base", "--n-per-class", "5", "--quiet"]
-    recl.main(common + ["--out", str(tmp_path / "a")])
-    recl.main(common + ["--out", str(tmp_path / "b"), "--lr", "0.03", "--hp", "ewc_lambda=9"])
-    a, b = (json.loads((tmp_path / d / "mnist-cil-ewc-seed0.json").read_text())["config"] for d in "ab")
-    assert (a["lr"], a["epochs"], a["hp"]) == (0.02, 1, {"ewc_lambda": 5.0})
-    assert (b["lr"], b["epochs"], b["hp"]) == (0.03, 1, {"ewc_lambda": 9.0})
-
-
-def test_the_recl_variant_trains_with_its_own_settings(tmp_path, monkeypatch):
-    monkeypatch.setitem(strategies.TUNED, "cil", {"ewc": {"lr": 0.02, "epochs": 1, "ewc_lambda": 5.0}})
-    monkeypatch.setitem(strategies.TUNED_RECL, "cil", {"ewc": {"lr": 0.07, "epochs": 2, "ewc_lambda": 50.0}})
-    common = ["--method", "ewc", "--n-per-class", "5", "--n-rec", "2", "--quiet"]
-    recl.main(common + ["--out", str(tmp_path / "a")])
-    recl.main(common + ["--out", str(tmp_path / "b"), "--epochs", "1"])
-    config_of = lambda d, name: json.loads((tmp_path / d / f"mnist-cil-{name}-seed0.json").read_text())["config"]
-    base, with_recl = config_of("a", "ewc"), config_of("a", "ewc+recl")
-    assert (base["lr"], base["epochs"], base["hp"]) == (0.02, 1, {"ewc_lambda": 5.0})
-    assert (with_recl["lr"], with_recl["epochs"], with_recl["hp"]) == (0.07, 2, {"ewc_lambda": 50.0})
-    assert config_of("b", "ewc+recl")["epochs"] == 1  # the command line wins for both variants
-
-
-def test_replay_noise_is_the_default_but_gpm_replays_without_and_the_flag_wins():
-    def cfg(*flags):
-        parsed = recl.make_parser().parse_args(["--method", "gpm", *flags])
-        recl.check_args(parsed)
-        return parsed
-
-    assert strategies.settings("finetune", "cil", recl=True)["replay_noise"] == strategies.DEFAULT_REPLAY_NOISE > 0
-    assert "replay_noise" not in strategies.settings("finetune", "cil", recl=False)
-    for scenario in ("cil", "dil"):
-        gpm = recl.run_config(cfg("--scenario", scenario), 0, True)
-        assert gpm.replay_noise == 0.0 and gpm.lr == strategies.settings("gpm", scenario, True)["lr"]
-        assert recl.run_config(cfg("--scenario", scenario), 0, False).replay_noise == 0.0  # recorded alike
-        assert recl.run_config(cfg("--scenario", scenario, "--replay-noise", "1.5"), 0, True).replay_noise == 1.5
-    with pytest.raises(recl.UsageError, match="--replay-noise must be"):
-        cfg("--replay-noise", "-1")
-
-
-def run_all_dry(tmp_path, **knobs):
-    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "DRY_RUN": "1", "SCENARIOS": "cil", **knobs}
-    result = subprocess.run(["bash", str(HERE / "run_all.sh")], capture_output=True, text=True, env=env)
-    return result, [line for line in result.stdout.splitlines() if "recl.py" in line]
-
-
-def test_run_all_runs_the_joint_bound_once_per_seed_and_variants_as_asked(tmp_path):
-    result, runs = run_all_dry(tmp_path, METHODS="finetune joint", SEEDS="2", RESULTS=str(tmp_path))
-    assert result.returncode == 0, result.stderr
-    assert [sum(f"--method {m} {v} --seed" in r for r in runs) for m, v in
-            (("finetune", "--variant base"), ("finetune", "--variant recl --rec-objective inversion"),
-             ("joint", "--variant base"))] == [2, 2, 2]
-    assert len(runs) == 8 and not any("joint --variant recl" in r for r in runs)
-    _, runs = run_all_dry(tmp_path, METHODS="finetune joint", SEEDS="1", RESULTS=str(tmp_path), VARIANTS="inversion")
-    assert len(runs) == 1 and "--rec-objective inversion" in runs[0]
-
-
-def test_run_all_sweeps_a_flag_into_one_folder_per_value(tmp_path):
-    (tmp_path / "m-25").mkdir()
-    finished = config_a_run_records(["--method", "finetune", "--variant", "recl", "--m", "25"])
-    recl.write_json_atomically(tmp_path / "m-25" / "mnist-cil-finetune+recl-seed0.json",
-                               {**fake_record("finetune", True, 0, 1, 1), "config": finished})
-    result, runs = run_all_dry(tmp_path, SWEEP="m 10 25", METHODS="finetune", SEEDS="1", RESULTS=str(tmp_path),
-                               VARIANTS="base recl")
-    assert result.returncode == 0, result.stderr
-    assert len(runs) == 3  # 2 values x 2 variants, less the finished one
-    assert sum(f"--out {tmp_path}/m-10 " in r and "--m 10" in r for r in runs) == 2
-    bad, _ = run_all_dry(tmp_path, SWEEP="m")
-    assert bad.returncode == 2 and "SWEEP needs a flag and its values" in bad.stderr
-
-
-def test_run_all_keeps_runs_with_other_settings_apart(tmp_path):
-    """A QUICK run or one with extra flags must not count as a finished default run."""
-    fake_python = tmp_path / "python"  # skips the dataset check and lists nothing: only the folder matters
-    fake_python.write_text('#!/bin/sh\n[ "$1" = recl.py ] && cat > /dev/null\nexit 0\n')
-    fake_python.chmod(0o755)
-    def folder(*args, **knobs):
-        env = {"PATH": "/usr/bin:/bin", "PYTHON": str(fake_python), "DRY_RUN": "1", "SCENARIOS": "cil",
-               "METHODS": "finetune", "SEEDS": "1", **knobs}
-        result = subprocess.run(["bash", str(HERE / "run_all.sh"), *args], capture_output=True, text=True,
-                                env=env, cwd=tmp_path)
-        assert result.returncode == 0, result.stderr
-        return result.stdout.split(" runs to do in ")[1].split(" ")[0]
-    assert folder() == "results/"
-    assert folder(QUICK="1") == "results/quick/"
-    assert folder("--epochs", "30", "--rec-target", "displacement") == "results/epochs_30_rec-target_displacement/"
-    assert folder("--m", "50", QUICK="1") == "results/quick_m_50/"
-    assert folder("--epochs", "30", RESULTS=str(tmp_path)) == f"{tmp_path}/"  # an explicit folder wins
-
-
-def test_run_all_tune_runs_one_search_per_method(tmp_path):
-    result, runs = run_all_dry(tmp_path, TUNE="1", METHODS="ewc gpm", SEEDS="5", RESULTS=str(tmp_path))
-    assert result.returncode == 0, result.stderr
-    assert len(runs) == 2 and all("--tune" in r and "--seed 0" in r for r in runs)
-    nothing, _ = run_all_dry(tmp_path, TUNE="1", DATASETS="cifar10", DATA_ROOT=str(tmp_path))  # default folder
-    assert nothing.returncode == 0 and "0 runs to do in results/tuning/" in nothing.stdout
-
-
-def test_queue_workers_claim_each_run_once_and_a_run_gives_what_it_gives_alone(tmp_path):
-    tiny = "--epochs 1 --n-per-class 10 --n-rec 3 --variant recl --quiet"
-    lines = [f"python recl.py --seed {seed} {tiny} --out {tmp_path / 'queue'}" for seed in range(3)]
-    lines += ["echo not a run", f"python recl.py --m -5 {tiny} --out {tmp_path}"]  # ignored; fails in one line
-    (tmp_path / "commands").write_text("\n".join(lines) + "\n")
-    (tmp_path / "claimed-1").touch()  # another worker has taken seed 1
-    with pytest.raises(recl.RunFailed, match="1 queued run"):
-        recl.work_through_queue(tmp_path)
-    done = sorted(p.name for p in (tmp_path / "queue").iterdir())
-    assert done == ["mnist-cil-finetune+recl-seed0.json", "mnist-cil-finetune+recl-seed2.json"]
-    assert sorted(p.name for p in tmp_path.glob("claimed-*")) == ["claimed-0", "claimed-1", "claimed-2", "claimed-4"]
-    # seed 2 ran after seed 0 in the same process; alone, in a fresh one, it gives the same numbers
-    alone = subprocess.run([sys.executable, str(HERE / "recl.py"), "--seed", "2", *tiny.split(),
-                            "--out", str(tmp_path / "alone")], capture_output=True, text=True, cwd=HERE)
-    assert alone.returncode == 0, alone.stderr
-    name = "mnist-cil-finetune+recl-seed2.json"
-    queued, single = (json.loads((tmp_path / d / name).read_text()) for d in ("queue", "alone"))
-    without_time = lambda record: [{k: v for k, v in r.items() if k != "seconds"} for r in record["reconstructions"]]
-    assert queued["acc_matrix"] == single["acc_matrix"] and without_time(queued) == without_time(single)
-    assert recl.work_through_queue(tmp_path) is None  # everything claimed: a second worker does nothing
-    with pytest.raises(recl.UsageError, match="no file"):
-        recl.work_through_queue(tmp_path / "queue")
-
-
-def test_an_interrupted_run_all_stops_its_workers(tmp_path):
-    import os, signal, time
-    # a stand-in for python whose --queue workers only wait, so that nothing real runs
-    fake = tmp_path / "python"
-    fake.write_text('#!/bin/bash\nfor a in "$@"; do [ "$a" = --queue ] && exec sleep 59.123; done\n'
-                    f'exec {sys.executable} "$@"\n')
-    fake.chmod(0o755)
-    env = {"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "JOBS": "2", "SEEDS": "1", "METHODS": "finetune",
-           "SCENARIOS": "cil", "RESULTS": str(tmp_path / "out")}
-    run_all = subprocess.Popen(["bash", str(HERE / "run_all.sh")], env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, cwd=HERE)
-    workers = []
-    for _ in range(300):  # the pending check imports torch first
-        workers = subprocess.run(["pgrep", "-f", "sleep 59.123"], capture_output=True, text=True).stdout.split()
-        if len(workers) == 2:
-            break
-        time.sleep(0.1)
-    assert len(workers) == 2
-    run_all.send_signal(signal.SIGTERM)
-    _, err = run_all.communicate(timeout=20)
-    assert run_all.returncode == 130 and "interrupted; finished runs are saved" in err
-    time.sleep(0.5)
-    assert not any(os.path.exists(f"/proc/{pid}") for pid in workers)  # no worker left running
-
-
-# --- reconstruction quality and tuning ------------------------------------------
+# =============================================================================
+# 6. Judging (App. E) and tuning (Sec. 4.3) the reconstruction
+# =============================================================================
 
 def test_ssim_identical_is_one_symmetric_and_lowered_by_noise():
     torch.manual_seed(0)
@@ -1164,8 +696,11 @@ def test_tuned_reconstruction_records_its_choice(tuning):
 def test_recon_quality_and_image_grid_are_written(tmp_path):
     tasks = synthetic_tasks("cil", n_tasks=3, shape=(1, 12, 12))
     cfg = config(epochs=2, n_rec=5, m=3, save_images=True, out=str(tmp_path))
-    record = recl.run_continual(cfg, tasks, "finetune", True, lambda *a: None)
+    judge = lambda old_tasks, x_rec: recl.report_reconstruction("finetune+recl", old_tasks, x_rec, cfg,
+                                                               torch.zeros(1, 12, 12), lambda *a: None)
+    record = recl.run_continual(cfg, tasks, "finetune", True, lambda *a: None, judge=judge)
     assert [q["task"] for q in record["recon_quality"]] == [2, 3]
+    assert recl.run_continual(cfg, tasks, "finetune", True, lambda *a: None)["recon_quality"] == []  # no judge
     for q in record["recon_quality"]:
         for key in ("mean_ssim", "frac_ssim_above_0_4", "init_mean_ssim", "init_frac_ssim_above_0_4",
                     "real_mean_ssim", "real_frac_ssim_above_0_4"):
@@ -1177,7 +712,92 @@ def test_recon_quality_and_image_grid_are_written(tmp_path):
     assert kept.shape[1:] == (1, 12, 12) and 0 < len(kept) <= 4 * 3  # 4 old classes, m 3, after the filter
 
 
-# --- other datasets, in their real on-disk formats, and other models -------------
+# =============================================================================
+# 7. Data and models
+# =============================================================================
+
+def test_grown_head_keeps_old_outputs_and_first_layer_is_small():
+    torch.manual_seed(0)
+    model = models.MLP(10, 2)
+    assert model.fc1.weight.abs().max() < 1e-3
+    assert model.fc2.bias is None and model.head.bias is None
+    x = torch.randn(4, 10)
+    before = model(x)
+    models.grow_head(model, 5)
+    after = model(x)
+    assert after.shape == (4, 5)
+    torch.testing.assert_close(after[:, :2], before)
+
+
+def test_start_weights_follow_the_growing_head():
+    torch.manual_seed(0)
+    model = models.build_model("mlp", (10,), 2)
+    with torch.no_grad():
+        model.head.weight.add_(1.0)  # "training" moves the old rows
+    models.grow_head(model, 5)
+    start = models.start_weights(model)
+    assert start["head.weight"].shape == model.head.weight.shape
+    moved = model.head.weight - start["head.weight"]
+    torch.testing.assert_close(moved[:2], torch.ones(2, 1000))  # what training added
+    assert moved[2:].abs().max() == 0  # new rows have not moved yet
+
+
+def test_split_mnist_layout():
+    tasks, order, mean = data.make_tasks("mnist", seed=3, n_per_class=20, scenario="cil")
+    assert sorted(order) == list(range(10)) and len(tasks) == 5
+    assert order == data.make_tasks("mnist", seed=3, n_per_class=20)[1]
+    assert order != data.make_tasks("mnist", seed=4, n_per_class=20)[1]
+    for t, task in enumerate(tasks):
+        assert task.classes == order[2 * t:2 * t + 2]
+        assert task.x_train.shape == (40, 1, 28, 28) and task.x_test.shape == (2 * 480, 1, 28, 28)
+        assert sorted(set(task.y_train.tolist())) == [2 * t, 2 * t + 1]
+    x_all = torch.cat([t.x_train for t in tasks])
+    assert x_all.mean(0).abs().max() < 1e-5  # the training mean image is subtracted
+    assert x_all.abs().max() <= 1.0
+    dil, _, _ = data.make_tasks("mnist", seed=3, n_per_class=20, scenario="dil")
+    assert all(sorted(set(t.y_test.tolist())) == [0, 1] for t in dil)
+    torch.testing.assert_close(dil[2].x_train, tasks[2].x_train)
+
+
+def test_missing_and_corrupt_dataset_files_raise_data_error(tmp_path):
+    with pytest.raises(data.DataError, match="not found"):
+        data.load_mnist_subset(tmp_path / "nope.csv.gz")
+    bad = tmp_path / "bad.csv.gz"
+    bad.write_bytes(b"this is not gzip")
+    with pytest.raises(data.DataError, match="not a gzip CSV"):
+        data.load_mnist_subset(bad)
+    short = tmp_path / "short.csv.gz"
+    short.write_bytes(gzip.compress(b"1,2,3\n"))
+    with pytest.raises(data.DataError):
+        data.load_mnist_subset(short)
+
+
+def test_validation_split_holds_out_training_images_and_drops_the_test_set():
+    tasks = synthetic_tasks("cil", per_class=10)
+    split = data.validation_split(tasks, fraction=0.2, seed=0)
+    for old, new in zip(tasks, split):
+        assert len(new.x_test) == 4 and len(new.x_train) == 16
+        everything = torch.cat([new.x_train, new.x_test])
+        # the same images as the training set, each once, and none of the test images
+        assert torch.equal(everything.flatten(1).sort(0).values, old.x_train.flatten(1).sort(0).values)
+        assert torch.cdist(new.x_test.flatten(1), old.x_test.flatten(1)).min() > 0
+        assert torch.cdist(new.x_test.flatten(1), new.x_train.flatten(1)).min() > 0
+    with pytest.raises(data.DataError, match="cannot spare"):
+        data.validation_split(tasks, fraction=1.0)
+
+
+def test_a_csv_parsed_once_is_reused_by_content_and_never_shared(tmp_path):
+    path = tmp_path / "two.csv.gz"
+    row = lambda value, label: ",".join([str(value)] * 784 + [str(label)])
+    path.write_bytes(gzip.compress((row(7, 3) + "\n" + row(9, 4) + "\n").encode()))
+    images, labels = data.load_mnist_subset(path)
+    images.zero_()  # a caller that writes into what it got
+    again, _ = data.load_mnist_subset(path)
+    assert again[:, 0, 0, 0].tolist() == [7, 9] and labels.tolist() == [3, 4]
+    path.write_bytes(gzip.compress((row(1, 0) + "\n").encode()))  # same file name, new content
+    changed, changed_labels = data.load_mnist_subset(path)
+    assert changed[:, 0, 0, 0].tolist() == [1] and changed_labels.tolist() == [0]
+
 
 def write_idx(path, tensor):
     header = bytes([0, 0, 8, tensor.dim()]) + b"".join(n.to_bytes(4, "big") for n in tensor.shape)
@@ -1295,7 +915,7 @@ def test_cnn_runs_a_recl_task_and_gpm_projects_its_convolutions():
     assert record["reconstructions"][0]["kept"] == 4
     model = models.build_model("cnn", (3, 12, 12), 4)
     state = strategies.new_state("gpm", gpm_threshold=0.95)
-    strategies.gpm_after_task(model, data.Task([0], torch.randn(20, 3, 12, 12), None, None, None), state)
+    strategies.gpm_after_task(model, data.loader(torch.randn(20, 3, 12, 12), torch.zeros(20), 8, shuffle=False), state)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     strategies.gpm_after_backward(model, state)
@@ -1313,29 +933,453 @@ def test_non_homogeneous_models_run_a_recl_task(name):
     assert all(a is not None for a in record["acc_matrix"][1])
 
 
-# --- the benchmark ------------------------------------------------------------------
+# =============================================================================
+# 8. The command line, and where a run's settings come from
+# =============================================================================
+
+@pytest.mark.parametrize("argv, words", [
+    (["--method", "magic"], "invalid choice"),
+    (["--lr", "-1"], "--lr must be a positive"),
+    (["--lr", "nan"], "--lr must be a positive"),
+    (["--epochs", "0"], "--epochs must be a positive"),
+    (["--n-per-class", "600"], "more than mnist allows"),
+    (["--m", "0"], "--m must be a positive"),
+    (["--seeds", "two"], "invalid int"),
+    (["--method", "ewc", "--hp", "lwf_lambda=2"], "ewc has ewc_lambda"),
+    (["--method", "finetune", "--hp", "x=1"], "finetune has no hyperparameters"),
+    (["--method", "ewc", "--hp", "ewc_lambda=inf"], "needs a finite number"),
+    (["--method", "ewc", "--hp", "ewc_lambda=big"], "is not KEY=NUMBER"),
+    (["--ce-weight", "-1"], "--ce-weight must be a finite number >= 0"),
+    (["--rec-objective", "inversion", "--ce-weight", "1"], "it would do nothing"),
+    (["--rec-objective", "gradient"], "invalid choice"),
+])
+def test_bad_cli_values_are_rejected_with_a_reason(argv, words):
+    with pytest.raises(recl.UsageError, match=words):
+        recl.main(argv)
+
+
+def test_bad_cli_input_exits_nonzero_with_one_line():
+    result = subprocess.run([sys.executable, str(HERE / "recl.py"), "--method", "magic"],
+                            capture_output=True, text=True, cwd=HERE)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "invalid choice: 'magic'" in lines[0]
+
+
+def test_help_gives_every_flag_a_meaning_and_its_default():
+    parser = recl.make_parser()
+    text = parser.format_help()
+    for action in parser._actions:
+        assert action.help, f"{action.option_strings} has no help"
+    for shown in ["--n-rec N_REC         reconstruction steps before each task (default: 100)",
+                  "theta - theta_0 (default: displacement)", "first seed (default: 0)",
+                  "(default: 0.001)"]:
+        assert " ".join(shown.split()) in " ".join(text.split())
+    assert "classifies as their label (default: on)" in " ".join(text.split())
+
+
+def test_method_hyperparameters_come_from_the_command_line(tmp_path):
+    recl.main(["--method", "agem", "--hp", "agem_patterns_per_task=7", "--variant", "base", "--epochs", "1",
+               "--n-per-class", "5", "--out", str(tmp_path), "--quiet"])
+    record = json.loads((tmp_path / "mnist-cil-agem-seed0.json").read_text())
+    assert record["config"]["hp"] == {"agem_patterns_per_task": 7, "agem_batch": 256}  # the rest: defaults
+
+
+def test_main_writes_one_json_per_run(tmp_path, capsys):
+    recl.main(["--method", "finetune", "--variant", "both", "--epochs", "1", "--n-per-class", "5",
+               "--n-rec", "2", "--out", str(tmp_path), "--quiet"])
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["mnist-cil-finetune+recl-seed0.json", "mnist-cil-finetune-seed0.json"]
+    record = json.loads((tmp_path / files[0]).read_text())
+    for key in ("method", "recl", "scenario", "dataset", "seed", "class_order", "acc_matrix",
+                "ACC", "BWT", "seconds", "config"):
+        assert key in record
+    assert record["recl"] is True and record["config"]["n_rec"] == 2
+    assert record["provenance"]["torch"] == torch.__version__ and record["provenance"]["threads"] >= 1
+    assert "finetune+recl cil seed 0: ACC" in capsys.readouterr().out
+
+
+def test_write_json_atomically_leaves_no_temporary_file(tmp_path):
+    path = tmp_path / "sub" / "run.json"
+    recl.write_json_atomically(path, {"ACC": 1.5})
+    assert json.loads(path.read_text()) == {"ACC": 1.5}
+    assert [p.name for p in path.parent.iterdir()] == ["run.json"]
+
+
+def test_a_diverged_run_says_so_exits_nonzero_and_is_never_averaged(tmp_path):
+    command = [sys.executable, str(HERE / "recl.py"), "--variant", "base", "--lr", "10000", "--epochs", "2",
+               "--n-per-class", "5", "--out", str(tmp_path), "--quiet"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=HERE)
+    assert result.returncode != 0
+    assert result.stderr.count("\n") == 1 and "diverged: training loss" in result.stderr
+    record = json.loads((tmp_path / "mnist-cil-finetune-seed0.json").read_text())
+    assert record["ACC"] is None and record["BWT"] is None and "of task" in record["diverged"]
+    recl.write_json_atomically(tmp_path / "mnist-cil-finetune-seed1.json", fake_record("finetune", False, 1, 60, -30))
+    table = experiments.aggregate(tmp_path)
+    assert "| finetune | 1 | 60.00 (0.00) |" in table  # the diverged seed is not in the mean
+    assert "Diverged, not averaged: finetune seed 0 (training loss" in table
+
+
+def test_paper_preset_switches_off_each_departure_unless_a_flag_is_given():
+    def run_cfg(*flags, use_recl=True):
+        cfg = recl.make_parser().parse_args(["--method", "ewc", *flags])
+        recl.check_args(cfg)
+        return recl.run_settings(cfg, 0, use_recl)
+
+    today, paper = run_cfg(), run_cfg("--paper")
+    assert (today.rec_target, today.freeze_old, today.filter) == ("displacement", True, True)
+    assert today.replay_noise > 0 and today.lr_x == 3.0
+    assert (paper.rec_target, paper.freeze_old, paper.filter, paper.replay_noise) == ("weights", False, False, 0.0)
+    assert paper.lr_x == 1.0 and (paper.n_rec, paper.m) == (100, 100)
+    own = strategies.settings("ewc", "cil")  # the method's own training, not TUNED_RECL's
+    assert (paper.lr, paper.epochs, paper.hp) == (own["lr"], own["epochs"], {"ewc_lambda": own["ewc_lambda"]})
+    assert (paper.lr, paper.epochs) != (today.lr, today.epochs)
+    mixed = run_cfg("--paper", "--filter", "--rec-target", "displacement", "--replay-noise", "1", "--epochs", "3")
+    assert (mixed.filter, mixed.rec_target, mixed.replay_noise, mixed.epochs, mixed.freeze_old) == \
+        (True, "displacement", 1.0, 3, False)
+    assert (today.ce_weight, paper.ce_weight, run_cfg("--scenario", "dil").ce_weight) == (3e-4, 0.0, 0.0)
+    assert run_cfg("--rec-objective", "inversion").ce_weight == 0.0
+    assert run_cfg("--rec-objective", "inversion").lr_x == recl.INVERSION_LR_X["cil"]
+    assert run_cfg("--rec-objective", "inversion", "--scenario", "dil").lr_x == recl.INVERSION_LR_X["dil"]
+
+
+def test_runs_start_from_tuned_settings_unless_the_command_line_says_otherwise(tmp_path, monkeypatch):
+    monkeypatch.setitem(strategies.TUNED, "cil", {"ewc": {"lr": 0.02, "epochs": 1, "ewc_lambda": 5.0}})
+    common = ["--method", "ewc", "--variant", "base", "--n-per-class", "5", "--quiet"]
+    recl.main(common + ["--out", str(tmp_path / "a")])
+    recl.main(common + ["--out", str(tmp_path / "b"), "--lr", "0.03", "--hp", "ewc_lambda=9"])
+    a, b = (json.loads((tmp_path / d / "mnist-cil-ewc-seed0.json").read_text())["config"] for d in "ab")
+    assert (a["lr"], a["epochs"], a["hp"]) == (0.02, 1, {"ewc_lambda": 5.0})
+    assert (b["lr"], b["epochs"], b["hp"]) == (0.03, 1, {"ewc_lambda": 9.0})
+
+
+def test_the_recl_variant_trains_with_its_own_settings(tmp_path, monkeypatch):
+    monkeypatch.setitem(strategies.TUNED, "cil", {"ewc": {"lr": 0.02, "epochs": 1, "ewc_lambda": 5.0}})
+    monkeypatch.setitem(recl.TUNED_RECL, "cil", {"ewc": {"lr": 0.07, "epochs": 2, "ewc_lambda": 50.0}})
+    common = ["--method", "ewc", "--n-per-class", "5", "--n-rec", "2", "--quiet"]
+    recl.main(common + ["--out", str(tmp_path / "a")])
+    recl.main(common + ["--out", str(tmp_path / "b"), "--epochs", "1"])
+    config_of = lambda d, name: json.loads((tmp_path / d / f"mnist-cil-{name}-seed0.json").read_text())["config"]
+    base, with_recl = config_of("a", "ewc"), config_of("a", "ewc+recl")
+    assert (base["lr"], base["epochs"], base["hp"]) == (0.02, 1, {"ewc_lambda": 5.0})
+    assert (with_recl["lr"], with_recl["epochs"], with_recl["hp"]) == (0.07, 2, {"ewc_lambda": 50.0})
+    assert config_of("b", "ewc+recl")["epochs"] == 1  # the command line wins for both variants
+
+
+def test_replay_noise_is_the_default_but_gpm_replays_without_and_the_flag_wins():
+    def cfg(*flags):
+        parsed = recl.make_parser().parse_args(["--method", "gpm", *flags])
+        recl.check_args(parsed)
+        return parsed
+
+    finetune = recl.make_parser().parse_args([])
+    assert recl.run_settings(finetune, 0, True).replay_noise == recl.DEFAULT_REPLAY_NOISE > 0
+    assert recl.run_settings(finetune, 0, False).replay_noise == recl.DEFAULT_REPLAY_NOISE  # recorded alike
+    for scenario in ("cil", "dil"):
+        gpm = recl.run_settings(cfg("--scenario", scenario), 0, True)
+        expected_lr = recl.TUNED_RECL[scenario]["gpm"].get("lr", strategies.settings("gpm", scenario)["lr"])
+        assert gpm.replay_noise == 0.0 and gpm.lr == expected_lr
+        assert recl.run_settings(cfg("--scenario", scenario), 0, False).replay_noise == 0.0  # recorded alike
+        assert recl.run_settings(cfg("--scenario", scenario, "--replay-noise", "1.5"), 0, True).replay_noise == 1.5
+    with pytest.raises(recl.UsageError, match="--replay-noise must be"):
+        cfg("--replay-noise", "-1")
+
+
+# =============================================================================
+# 9. The experiment machinery (experiments.py, run_all.sh)
+# =============================================================================
+
+def fake_record(method, use_recl, seed, acc, bwt, scenario="cil"):
+    return {"method": method, "recl": use_recl, "scenario": scenario, "dataset": "mnist",
+            "seed": seed, "ACC": acc, "BWT": bwt, "seconds": 10.0}
+
+
+def test_aggregate_gives_mean_and_std_per_variant_and_ignores_partial_files(tmp_path):
+    for seed, (acc, bwt) in enumerate([(50, -40), (60, -30), (70, -20)]):
+        recl.write_json_atomically(tmp_path / f"a{seed}.json", fake_record("ewc", False, seed, acc, bwt))
+    recl.write_json_atomically(tmp_path / "b.json", fake_record("ewc", True, 0, 80, -5))
+    recl.write_json_atomically(tmp_path / "c.json", fake_record("finetune", False, 0, 40, -50, "dil"))
+    (tmp_path / ".d.json.123.tmp").write_text('{"half a')  # a run killed mid-write
+    table = experiments.aggregate(tmp_path)
+    assert "| ewc | 3 | 60.00 (10.00) | -30.00 (10.00) |  |  | 10.0 |" in table
+    assert "| ewc+recl | 1 | 80.00 (0.00) | -5.00 (0.00) |  |  | 10.0 |" in table
+    cil, dil = table.split("### mnist, DIL")
+    assert "finetune" not in cil and "| finetune | 1 | 40.00 (0.00)" in dil
+
+
+def test_aggregate_warns_when_one_row_mixes_settings(tmp_path, capsys):
+    for seed, n_rec in enumerate([100, 100, 30]):
+        record = {**fake_record("finetune", True, seed, 70, -20), "config": {"seed": seed, "n_rec": n_rec, "out": "x"}}
+        recl.write_json_atomically(tmp_path / f"r{seed}.json", record)
+    experiments.aggregate(tmp_path)
+    assert "mnist cil finetune+recl mixes runs made with different settings (n_rec 100 -> 30)" in capsys.readouterr().err
+    recl.write_json_atomically(tmp_path / "r2.json", {**fake_record("finetune", True, 2, 70, -20),
+                                                      "config": {"seed": 2, "n_rec": 100, "out": "elsewhere"}})
+    experiments.aggregate(tmp_path)
+    assert "mixes" not in capsys.readouterr().err  # seed and output folder do not count
+
+
+def test_aggregate_draws_a_well_formed_chart_with_one_bar_per_method_and_variant(tmp_path):
+    import xml.etree.ElementTree as ET
+    for scenario in ("cil", "dil"):
+        for method in ("finetune", "gpm"):
+            for use_recl, objective, acc in ((False, "stationarity", 50.0), (True, "stationarity", 70.0),
+                                             (True, "inversion", 60.0)):
+                for seed in range(2):
+                    record = {**fake_record(method, use_recl, seed, acc + seed, -10, scenario),
+                              "config": {"rec_objective": objective, "seed": seed}}
+                    recl.write_json_atomically(tmp_path / f"{scenario}-{method}-{acc}-{seed}.json", record)
+    recl.write_json_atomically(tmp_path / "d.json", {**fake_record("er", False, 0, None, None), "diverged": "nan"})
+    experiments.aggregate(tmp_path)
+    root = ET.parse(tmp_path / "chart-mnist.svg").getroot()  # raises if not well-formed XML
+    ns = "{http://www.w3.org/2000/svg}"
+    bars = [r for r in root.iter(ns + "rect") if r.get("class") == "bar"]
+    assert sorted((b.get("data-scenario"), b.get("data-method")) for b in bars) == sorted(
+        (s, m + v) for s in ("cil", "dil") for m in ("finetune", "gpm") for v in ("", "+recl", "+inversion"))  # no ER
+    heights = {(b.get("data-scenario"), b.get("data-method")): float(b.get("height")) for b in bars}
+    assert heights[("cil", "gpm+recl")] == pytest.approx(heights[("cil", "gpm")] * 70.5 / 50.5, rel=1e-2)
+    assert heights[("cil", "gpm+inversion")] == pytest.approx(heights[("cil", "gpm")] * 60.5 / 50.5, rel=1e-2)
+    paper = [l for l in root.iter(ns + "line") if l.get("class") == "paper"]
+    assert len(paper) == 8  # the paper's value over each method and +ReCL bar, none over inversion
+
+
+def test_tune_searches_the_grid_on_validation_data_only(tmp_path, monkeypatch):
+    path = tmp_path / "toy.pt"
+    torch.save({"x_train": 0.5 * torch.rand(40, 8), "y_train": torch.arange(40) % 4,
+                "x_test": torch.ones(8, 8), "y_test": torch.arange(8) % 4}, path)  # test: all ones
+    seen, with_recl = [], []
+    real_run = recl.run_continual
+    def spy(cfg, tasks, method, use_recl, *rest):
+        seen.append((cfg.lr, cfg.epochs, cfg.hp, tasks))
+        with_recl.append(use_recl)
+        return real_run(cfg, tasks, method, use_recl, *rest)
+    monkeypatch.setattr(recl, "run_continual", spy)
+    monkeypatch.setattr(strategies, "TRAINING_GRID", {"lr": [0.01, 0.1], "epochs": [1]})
+    experiments.tune(["--dataset", str(path), "--method", "ewc", "--trials", "3", "--n-per-class", "10",
+                      "--out", str(tmp_path), "--quiet"])
+    assert len(seen) == 3 and len({(lr, hp["ewc_lambda"]) for lr, _, hp, _ in seen}) == 3  # distinct draws
+    for _, epochs, _, tasks in seen:
+        assert epochs == 1 and all((t.x_test < 0.5).all() for t in tasks)  # never the test images
+    saved = json.loads((tmp_path / "toy-cil-ewc-tuning-seed0.json").read_text())
+    scores = [t["val_ACC"] for t in saved["trials"]]
+    assert scores == sorted(scores, reverse=True) and not any(with_recl)
+    experiments.tune(["--variant", "recl", "--dataset", str(path), "--method", "ewc", "--trials", "1",
+                      "--n-per-class", "10", "--n-rec", "2", "--out", str(tmp_path), "--quiet"])
+    assert with_recl[-1] and (tmp_path / "toy-cil-ewc+recl-tuning-seed0.json").exists()
+    with pytest.raises(recl.UsageError, match="tune chooses --lr and --epochs itself"):
+        experiments.tune(["--lr", "0.1"])
+
+
+def test_a_diverged_trial_counts_as_failed_in_the_search(tmp_path, monkeypatch):
+    monkeypatch.setattr(strategies, "TRAINING_GRID", {"lr": [10000.0, 0.01], "epochs": [2]})
+    experiments.tune(["--method", "finetune", "--trials", "2", "--n-per-class", "10", "--out", str(tmp_path),
+                      "--quiet"])
+    trials = json.loads((tmp_path / "mnist-cil-finetune-tuning-seed0.json").read_text())["trials"]
+    assert trials[0]["settings"]["lr"] == 0.01 and trials[0]["val_ACC"] > 0
+    assert trials[1]["val_ACC"] is None and trials[1]["diverged"].startswith("training loss")
+    assert "| mnist | cil | finetune | lr 0.01, epochs 2 |" in experiments.aggregate(tmp_path)
+
+
+def test_tuning_table_reports_the_best_validation_trial(tmp_path):
+    trials = [{"settings": {"lr": 0.1, "epochs": 10}, "val_ACC": 40.0},
+              {"settings": {"lr": 0.01, "epochs": 40}, "val_ACC": 55.5}]
+    recl.write_json_atomically(tmp_path / "t.json", {"method": "er", "scenario": "dil", "dataset": "mnist",
+                                                      "seed": 0, "trials": trials})
+    assert "| mnist | dil | er | lr 0.01, epochs 40 | 55.50 | 2 |" in experiments.aggregate(tmp_path)
+
+
+def config_a_run_records(args):
+    """The config `python recl.py ARGS` (one seed, one variant) would write into its JSON."""
+    cfg = recl.make_parser().parse_args(args)
+    recl.check_args(cfg)
+    return vars(recl.run_settings(cfg, cfg.seed, cfg.variant == "recl"))
+
+
+def test_run_all_skips_finished_runs_and_reruns_stale_ones(tmp_path):
+    common = ["--dataset", "mnist", "--scenario", "cil", "--method", "finetune", "--out", str(tmp_path), "--epochs", "3"]
+    done = {**fake_record("finetune", False, 0, 1, 1),
+            "config": config_a_run_records(common + ["--variant", "base", "--seed", "0"])}
+    del done["config"]["rec_objective"]  # made before the flag existed: it counts as its default
+    path, line = tmp_path / "mnist-cil-finetune-seed0.json", f"python recl.py {' '.join(common)} --variant base --seed 0"
+    recl.write_json_atomically(path, done)
+    assert experiments.pending_runs([line]) == []
+    before = {k: v for k, v in done["config"].items() if k != "ce_weight"}  # CIL had no CE term then
+    recl.write_json_atomically(path, {**done, "config": before})
+    assert experiments.pending_runs([line], lambda message: None) == [line]
+    dil = config_a_run_records(common + ["--variant", "base", "--seed", "0", "--scenario", "dil"])
+    assert dil["ce_weight"] == experiments.ADDED_LATER["ce_weight"]  # a DIL run from before stays current
+    recl.write_json_atomically(path, done)
+    stale = {**fake_record("finetune", True, 1, 1, 1),  # made before a default changed
+             "config": {**config_a_run_records(common + ["--variant", "recl", "--seed", "1"]), "n_rec": 50}}
+    recl.write_json_atomically(tmp_path / "mnist-cil-finetune+recl-seed1.json", stale)
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "DRY_RUN": "1", "DATA_ROOT": str(tmp_path), "SEEDS": "2", "METHODS": "finetune gpm",
+           "SCENARIOS": "cil", "RESULTS": str(tmp_path), "DATASETS": "mnist cifar10"}
+    result = subprocess.run(["bash", str(HERE / "run_all.sh"), "--epochs", "3"],
+                            capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    runs = [line for line in result.stdout.splitlines() if "recl.py" in line]
+    assert len(runs) == 11  # 2 methods x 3 variants x 2 seeds, less the finished one; the stale one is redone
+    assert not any("--method finetune --variant base --seed 0" in r for r in runs)
+    assert any("--method finetune --variant recl --seed 1" in r for r in runs)
+    assert sum("--method gpm --variant recl --rec-objective inversion" in r for r in runs) == 2
+    assert "stale:" in result.stderr and "mnist-cil-finetune+recl-seed1.json (n_rec 50 -> 100)" in result.stderr
+    assert all(r.rstrip().endswith("--epochs 3") for r in runs)
+    assert "skipping cifar10: CIFAR10 is not under" in result.stderr
+
+
+def test_a_changed_tuned_setting_makes_a_result_stale(tmp_path, monkeypatch):
+    args = ["--method", "ewc", "--variant", "base", "--seed", "0", "--out", str(tmp_path)]
+    recl.write_json_atomically(tmp_path / "mnist-cil-ewc-seed0.json", {"config": config_a_run_records(args)})
+    line = "python recl.py " + " ".join(args)
+    assert experiments.pending_runs([line]) == []
+    monkeypatch.setitem(strategies.TUNED, "cil", {"ewc": {"lr": 0.5, "epochs": 20, "ewc_lambda": 1000.0}})
+    said = []
+    assert experiments.pending_runs([line], said.append) == [line]
+    assert "lr 0.01 -> 0.5" in said[0]
+
+
+def test_quick_presets_yield_to_explicit_knobs(tmp_path):
+    result, runs = run_all_dry(tmp_path, QUICK="1", SEEDS="3", METHODS="finetune", RESULTS=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert len(runs) == 9  # 3 seeds x 3 variants, not QUICK's one seed
+    quick_only, runs = run_all_dry(tmp_path, QUICK="1", METHODS="finetune", RESULTS=str(tmp_path))
+    assert len(runs) == 3
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "DRY_RUN": "1", "SCENARIOS": "cil", "QUICK": "1",
+           "METHODS": "finetune", "RESULTS": str(tmp_path)}
+    result = subprocess.run(["bash", str(HERE / "run_all.sh"), "--epochs", "9", "--n-rec", "7"],
+                            capture_output=True, text=True, env=env)
+    line = next(l for l in result.stdout.splitlines() if "recl.py" in l)
+    cfg = recl.make_parser().parse_args(line.split("recl.py")[1].split())
+    assert (cfg.epochs, cfg.n_rec) == (9, 7)  # the flags given win over QUICK's 5 and 20
+
+
+def run_all_dry(tmp_path, **knobs):
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "DRY_RUN": "1", "SCENARIOS": "cil", **knobs}
+    result = subprocess.run(["bash", str(HERE / "run_all.sh")], capture_output=True, text=True, env=env)
+    return result, [line for line in result.stdout.splitlines() if "recl.py" in line or "experiments.py" in line]
+
+
+def test_run_all_runs_the_joint_bound_once_per_seed_and_variants_as_asked(tmp_path):
+    result, runs = run_all_dry(tmp_path, METHODS="finetune joint", SEEDS="2", RESULTS=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert [sum(f"--method {m} {v} --seed" in r for r in runs) for m, v in
+            (("finetune", "--variant base"), ("finetune", "--variant recl --rec-objective inversion"),
+             ("joint", "--variant base"))] == [2, 2, 2]
+    assert len(runs) == 8 and not any("joint --variant recl" in r for r in runs)
+    _, runs = run_all_dry(tmp_path, METHODS="finetune joint", SEEDS="1", RESULTS=str(tmp_path), VARIANTS="inversion")
+    assert len(runs) == 1 and "--rec-objective inversion" in runs[0]
+
+
+def test_run_all_sweeps_a_flag_into_one_folder_per_value(tmp_path):
+    (tmp_path / "m-25").mkdir()
+    finished = config_a_run_records(["--method", "finetune", "--variant", "recl", "--m", "25"])
+    recl.write_json_atomically(tmp_path / "m-25" / "mnist-cil-finetune+recl-seed0.json",
+                               {**fake_record("finetune", True, 0, 1, 1), "config": finished})
+    result, runs = run_all_dry(tmp_path, SWEEP="m 10 25", METHODS="finetune", SEEDS="1", RESULTS=str(tmp_path),
+                               VARIANTS="base recl")
+    assert result.returncode == 0, result.stderr
+    assert len(runs) == 3  # 2 values x 2 variants, less the finished one
+    assert sum(f"--out {tmp_path}/m-10 " in r and "--m 10" in r for r in runs) == 2
+    bad, _ = run_all_dry(tmp_path, SWEEP="m")
+    assert bad.returncode == 2 and "SWEEP needs a flag and its values" in bad.stderr
+
+
+def test_run_all_keeps_runs_with_other_settings_apart(tmp_path):
+    """A QUICK run or one with extra flags must not count as a finished default run."""
+    fake_python = tmp_path / "python"  # skips the dataset check and lists nothing: only the folder matters
+    fake_python.write_text('#!/bin/sh\n[ "$1" = experiments.py ] && cat > /dev/null\nexit 0\n')
+    fake_python.chmod(0o755)
+    def folder(*args, **knobs):
+        env = {"PATH": "/usr/bin:/bin", "PYTHON": str(fake_python), "DRY_RUN": "1", "SCENARIOS": "cil",
+               "METHODS": "finetune", "SEEDS": "1", **knobs}
+        result = subprocess.run(["bash", str(HERE / "run_all.sh"), *args], capture_output=True, text=True,
+                                env=env, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        return result.stdout.split(" runs to do in ")[1].split(" ")[0]
+    assert folder() == "results/"
+    assert folder(QUICK="1") == "results/quick/"
+    assert folder("--epochs", "30", "--rec-target", "displacement") == "results/epochs_30_rec-target_displacement/"
+    assert folder("--m", "50", QUICK="1") == "results/quick_m_50/"
+    assert folder("--epochs", "30", RESULTS=str(tmp_path)) == f"{tmp_path}/"  # an explicit folder wins
+
+
+def test_run_all_tune_runs_one_search_per_method(tmp_path):
+    result, runs = run_all_dry(tmp_path, TUNE="1", METHODS="ewc gpm", SEEDS="5", RESULTS=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert len(runs) == 2 and all("experiments.py tune" in r and "--seed 0" in r for r in runs)
+    nothing, _ = run_all_dry(tmp_path, TUNE="1", DATASETS="cifar10", DATA_ROOT=str(tmp_path))  # default folder
+    assert nothing.returncode == 0 and "0 runs to do in results/tuning/" in nothing.stdout
+
+
+def test_queue_workers_claim_each_run_once_and_a_run_gives_what_it_gives_alone(tmp_path):
+    tiny = "--epochs 1 --n-per-class 10 --n-rec 3 --variant recl --quiet"
+    lines = [f"python recl.py --seed {seed} {tiny} --out {tmp_path / 'queue'}" for seed in range(3)]
+    lines += ["echo not a run", f"python recl.py --m -5 {tiny} --out {tmp_path}"]  # ignored; fails in one line
+    (tmp_path / "commands").write_text("\n".join(lines) + "\n")
+    (tmp_path / "claimed-1").touch()  # another worker has taken seed 1
+    with pytest.raises(recl.RunFailed, match="1 queued run"):
+        experiments.work_through_queue(tmp_path)
+    done = sorted(p.name for p in (tmp_path / "queue").iterdir())
+    assert done == ["mnist-cil-finetune+recl-seed0.json", "mnist-cil-finetune+recl-seed2.json"]
+    assert sorted(p.name for p in tmp_path.glob("claimed-*")) == ["claimed-0", "claimed-1", "claimed-2", "claimed-4"]
+    # seed 2 ran after seed 0 in the same process; alone, in a fresh one, it gives the same numbers
+    alone = subprocess.run([sys.executable, str(HERE / "recl.py"), "--seed", "2", *tiny.split(),
+                            "--out", str(tmp_path / "alone")], capture_output=True, text=True, cwd=HERE)
+    assert alone.returncode == 0, alone.stderr
+    name = "mnist-cil-finetune+recl-seed2.json"
+    queued, single = (json.loads((tmp_path / d / name).read_text()) for d in ("queue", "alone"))
+    without_time = lambda record: [{k: v for k, v in r.items() if k != "seconds"} for r in record["reconstructions"]]
+    assert queued["acc_matrix"] == single["acc_matrix"] and without_time(queued) == without_time(single)
+    assert experiments.work_through_queue(tmp_path) is None  # everything claimed: a second worker does nothing
+    with pytest.raises(recl.UsageError, match="no file"):
+        experiments.work_through_queue(tmp_path / "queue")
+
+
+def test_an_interrupted_run_all_stops_its_workers(tmp_path):
+    import os, signal
+    # a stand-in for python whose queue workers announce themselves on a pipe and
+    # then only wait, so that nothing real runs
+    pipe = tmp_path / "workers"
+    os.mkfifo(pipe)
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/bash\n[ "$1 $2" = "experiments.py queue" ] && {{ echo $$ > {pipe}; exec sleep 600; }}\n'
+                    f'exec {sys.executable} "$@"\n')
+    fake.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "JOBS": "2", "SEEDS": "1", "METHODS": "finetune",
+           "SCENARIOS": "cil", "RESULTS": str(tmp_path / "out")}
+    run_all = subprocess.Popen(["bash", str(HERE / "run_all.sh")], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, cwd=HERE)
+    workers = []
+    while len(workers) < 2:  # each read waits for a worker to write; no timing involved
+        with open(pipe) as announced:
+            workers += [int(pid) for pid in announced.read().split()]
+    run_all.send_signal(signal.SIGTERM)
+    _, err = run_all.communicate(timeout=60)
+    assert run_all.returncode == 130 and "interrupted; finished runs are saved" in err
+    for pid in workers:  # run_all.sh waited for its workers: none is left running
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
 
 def test_benchmark_counts_the_work_of_products_and_convolutions_by_hand():
     """Forward and backward of a product or a convolution is three times its forward
     (input and weight gradients); torch.profiler misses the convolution's backward."""
-    import benchmark
     x, w = torch.randn(5, 7, requires_grad=True), torch.randn(3, 7, requires_grad=True)
-    with benchmark.CountFlops() as counter:
+    with experiments.CountFlops() as counter:
         (x @ w.T).sum().backward()
     assert counter.flops == 3 * 2 * 5 * 7 * 3
     image, kernel = torch.randn(2, 3, 9, 9, requires_grad=True), torch.randn(4, 3, 3, 3, requires_grad=True)
-    with benchmark.CountFlops() as counter:
+    with experiments.CountFlops() as counter:
         F.conv2d(image, kernel, stride=2).sum().backward()
     outputs = 2 * 4 * 4 * 4  # images x channels x 4 x 4 positions
     assert counter.flops == 3 * 2 * outputs * 3 * 3 * 3
 
 
 def test_benchmark_times_and_counts_a_reconstruction_step():
-    import benchmark
-    row = benchmark.reconstruction_step("mlp", (1, 8, 8), 20, torch.device("cpu"), repeats=1)
+    row = experiments.reconstruction_step("mlp", (1, 8, 8), 20, torch.device("cpu"), repeats=1)
     # forward + backward of 20 candidates through a 64-1000-1000-10 MLP: about 6 x 2 x 20 x 1.07M flops
     assert 0.1 < row["gflop"] < 1.0 and row["seconds"] > 0 and row["gflops"] > 0
-    half = benchmark.reconstruction_step("mlp", (1, 8, 8), 20, torch.device("cpu"), repeats=1, precision="bfloat16")
+    half = experiments.reconstruction_step("mlp", (1, 8, 8), 20, torch.device("cpu"), repeats=1, precision="bfloat16")
     assert half["precision"] == "bfloat16" and half["seconds"] > 0
     for dtype in (torch.float32, torch.bfloat16):
-        assert benchmark.matmul_peak(torch.device("cpu"), dtype, n=64, repeats=1)["gflops"] > 0
+        assert experiments.matmul_peak(torch.device("cpu"), dtype, n=64, repeats=1)["gflops"] > 0

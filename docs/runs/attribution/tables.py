@@ -10,6 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
+import experiments
 import recl  # noqa: E402
 
 LADDER = ROOT / "docs/runs/attribution/ladder"
@@ -25,14 +26,14 @@ RUNGS = [("0-paper", "the paper as written (`--paper`)"),
 
 def load(folder, scenario, name):
     runs = [json.loads(p.read_text()) for p in sorted(Path(folder).glob(f"mnist-{scenario}-*.json"))]
-    return [r for r in runs if recl.run_name(r) == name and not r.get("diverged")]
+    return [r for r in runs if experiments.run_name(r) == name and not r.get("diverged")]
 
 
 def cell(runs, key, digits=2):
     values = [key(r) for r in runs]
     if not values:
         return "-"
-    mean, std = recl.mean_std(values)
+    mean, std = experiments.mean_std(values)
     return f"{mean:.{digits}f} ({std:.{digits}f})"
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-import benchmark  # noqa: E402
+import experiments as benchmark  # noqa: E402  (benchmark.py until the reorganisation)
 import models  # noqa: E402
 import recl  # noqa: E402
 

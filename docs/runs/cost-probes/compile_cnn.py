@@ -5,7 +5,8 @@ against eager: the first call (compiling) and the best of 3 steps after it.
 """
 import sys, time, torch
 sys.path.insert(0, '.')
-import recl, benchmark
+import recl
+import experiments as benchmark  # benchmark.py until the reorganisation
 torch.set_num_threads(2)
 net, params, target, scale, x, labels, lam = benchmark.reconstruction_problem("cnn", (3, 32, 32), 200, torch.device("cpu"))
 compiled = torch.compile(recl.reconstruction_losses)

@@ -3,7 +3,8 @@
 # rewritten as patches times a weight matrix, in two ways.
 import sys, time, torch, torch.nn as nn, torch.nn.functional as F
 sys.path.insert(0, '.')
-import models, recl, benchmark
+import models, recl
+import experiments as benchmark  # benchmark.py until the reorganisation
 
 
 class UnfoldBatched(nn.Module):

@@ -2,7 +2,8 @@
 # (float32; its setup is benchmark.reconstruction_problem since 2026-11-23, the same network and candidates)
 import sys, torch
 sys.path.insert(0, '.')
-import recl, benchmark
+import recl
+import experiments as benchmark  # benchmark.py until the reorganisation
 from torch.profiler import profile, ProfilerActivity
 net, params, target, scale, x, labels, lam = benchmark.reconstruction_problem("cnn", (3, 32, 32), 200, torch.device("cpu"))
 def step():

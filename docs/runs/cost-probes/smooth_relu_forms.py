@@ -19,7 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, '.')
-import benchmark, models, recl  # noqa: E402
+import models, recl  # noqa: E402
+import experiments as benchmark  # noqa: E402  (benchmark.py until the reorganisation)
 
 torch.set_num_threads(2)
 
