@@ -140,14 +140,44 @@ def fetch(name, root, download):
                         f"then copy the folder here") from None
 
 
+IDX_STEMS = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
+
+
+def read_idx_dataset(folder):
+    """The four IDX files of MNIST's layout in `folder`: 1-channel images and labels."""
+    x_train, y_train, x_test, y_test = (read_idx(find_file(folder, s)) for s in IDX_STEMS)
+    return x_train[:, None], y_train.long(), x_test[:, None], y_test.long()
+
+
 def load_mnist_full(root):
     raw = Path(root) / "MNIST" / "raw"
-    stems = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
-    if not all(find_file(raw, s) for s in stems):
+    if not all(find_file(raw, s) for s in IDX_STEMS):
         import torchvision
         fetch("MNIST", root, lambda: torchvision.datasets.MNIST(root, download=True))
-    x_train, y_train, x_test, y_test = (read_idx(find_file(raw, s)) for s in stems)
-    return x_train[:, None], y_train.long(), x_test[:, None], y_test.long()
+    return read_idx_dataset(raw)
+
+
+# Debian and Ubuntu package Fashion-MNIST's original files as data, offline:
+# `apt-get install dataset-fashion-mnist` puts them here.
+DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
+
+
+def load_fashion_mnist(root):
+    """Fashion-MNIST (Xiao et al. 2017): 60,000 training and 10,000 test images of
+    clothing in 10 classes, in MNIST's IDX format, from torchvision's folder under
+    `root` or the Debian package's; downloaded by torchvision when online."""
+    for folder in (Path(root) / "FashionMNIST" / "raw", DEBIAN_FASHION_MNIST):
+        if all(find_file(folder, s) for s in IDX_STEMS):
+            return read_idx_dataset(folder)
+    try:
+        import torchvision
+        torchvision.datasets.FashionMNIST(root, download=True)
+    except Exception as err:  # offline machines fail in many ways
+        raise DataError(f"fashion-mnist is not under {root}/FashionMNIST/raw or {DEBIAN_FASHION_MNIST} and could "
+                        f"not be downloaded ({type(err).__name__}); install it offline with "
+                        f"`apt-get install dataset-fashion-mnist`, or run this project once with --data-root "
+                        f"{root} on a machine with internet") from None
+    return read_idx_dataset(Path(root) / "FashionMNIST" / "raw")
 
 
 def load_cifar10(root):
@@ -243,7 +273,8 @@ def load_tensor_file(path):
     return as_images(x_train), y_train.long(), as_images(x_test), y_test.long()
 
 
-LOADERS = {"mnist-full": load_mnist_full, "cifar10": load_cifar10, "tinyimagenet": load_tinyimagenet}
+LOADERS = {"mnist-full": load_mnist_full, "fashion-mnist": load_fashion_mnist, "cifar10": load_cifar10,
+           "tinyimagenet": load_tinyimagenet}
 DATASETS = ["mnist", *LOADERS]
 
 

@@ -821,6 +821,29 @@ def test_full_mnist_is_read_from_idx_files(tmp_path):
         data.make_tasks("mnist-full", 0, data_root=tmp_path)
 
 
+def test_fashion_mnist_is_read_from_torchvision_or_debian_folders_or_explained(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "DEBIAN_FASHION_MNIST", tmp_path / "debian")
+    g = torch.Generator().manual_seed(0)
+    for folder in (tmp_path / "FashionMNIST" / "raw", tmp_path / "debian"):
+        folder.mkdir(parents=True)
+        for prefix, n in (("train", 40), ("t10k", 20)):
+            write_idx(folder / f"{prefix}-images-idx3-ubyte.gz", torch.randint(0, 256, (n, 28, 28), generator=g))
+            write_idx(folder / f"{prefix}-labels-idx1-ubyte.gz", torch.arange(n) % 10)
+    from_torchvision, _, _, _ = data.load("fashion-mnist", tmp_path)
+    from_debian, y, _, y_test = data.load("fashion-mnist", tmp_path / "elsewhere")  # no torchvision folder there
+    assert from_torchvision.shape == from_debian.shape == (40, 1, 28, 28) and len(y_test) == 20
+    assert not torch.equal(from_torchvision, from_debian)  # each read from its own folder
+    tasks, _, _ = data.make_tasks("fashion-mnist", 0, n_per_class=3, data_root=tmp_path)
+    assert len(tasks) == 5 and tasks[0].x_train.shape == (6, 1, 28, 28)
+    monkeypatch.setattr(data, "DEBIAN_FASHION_MNIST", tmp_path / "nowhere")
+    import torchvision
+    def offline(*args, **kwargs):
+        raise OSError("no network")
+    monkeypatch.setattr(torchvision.datasets, "FashionMNIST", offline)
+    with pytest.raises(data.DataError, match="apt-get install dataset-fashion-mnist"):
+        data.load("fashion-mnist", tmp_path / "elsewhere")
+
+
 def test_cifar10_is_read_from_python_batches(tmp_path):
     import pickle
     folder = tmp_path / "cifar-10-batches-py"
