@@ -413,7 +413,7 @@ def run_continual(cfg, tasks, method, use_recl, log=print, mean_image=None, judg
             f"acc {' '.join(f'{a:.1f}' for a in R[t][:t + 1])}")
 
     acc, bwt = acc_and_bwt(R) if diverged is None else (None, None)
-    return {"method": method, "recl": use_recl, "scenario": cfg.scenario, "dataset": dataset_name(cfg.dataset),
+    return {"method": method, "recl": use_recl, "scenario": cfg.scenario,
             "seed": cfg.seed, "acc_matrix": R, "ACC": acc, "BWT": bwt, "diverged": diverged,
             "reconstructions": reconstructions, "recon_quality": recon_quality}
 
@@ -437,7 +437,7 @@ def run_jointly(cfg, tasks, log=print):
     except Diverged as err:
         diverged = str(err)
         log(f"  [joint] diverged, {err}")
-    return {"method": "joint", "recl": False, "scenario": cfg.scenario, "dataset": dataset_name(cfg.dataset),
+    return {"method": "joint", "recl": False, "scenario": cfg.scenario,
             "seed": cfg.seed, "acc_matrix": [row], "ACC": acc, "BWT": None, "diverged": diverged,
             "reconstructions": [], "recon_quality": []}
 
@@ -928,6 +928,7 @@ def timed_run(run, tasks, method, use_recl, log=print, mean_image=None, judge=No
     start = time.time()
     record = run_continual(run, tasks, method, use_recl, log, mean_image, judge, timed_step1)
     record["seconds"] = round(time.time() - start, 2)
+    record["dataset"] = dataset_name(run.dataset)
     record["phase_seconds"] = {"reconstruct": round(sum(r["seconds"] for r in record["reconstructions"]), 2)}
     return record
 
