@@ -180,6 +180,35 @@ def load_fashion_mnist(root):
     return read_idx_dataset(Path(root) / "FashionMNIST" / "raw")
 
 
+# CIFAR10's python batches are pickles, and a pickle may name any function to
+# call while it loads. A crafted file under --data-root must not run code, so
+# the batches are read by an unpickler that knows only the few names a batch
+# holds: numpy's array, its dtype and their rebuilders (old and new numpy
+# spellings), and the codec Python 2 strings come back through. Dicts, lists,
+# ints, strings and bytes need no names at all.
+PICKLE_ALLOWED = {("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode"),
+                  ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+                  ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer")}
+
+
+class RefusedPickle(Exception):
+    pass
+
+
+def load_array_pickle(file):
+    """pickle.load for files that hold only arrays, lists, strings and bytes."""
+    import pickle
+
+    class ArraysOnly(pickle.Unpickler):
+        def find_class(self, module, name):
+            if (module, name) not in PICKLE_ALLOWED:
+                raise RefusedPickle(f"it asks to call {module}.{name}, which a CIFAR10 batch never does; "
+                                    f"refused, nothing was run")
+            return super().find_class(module, name)
+
+    return ArraysOnly(file, encoding="bytes").load()
+
+
 def load_cifar10(root):
     import pickle
     folder = Path(root) / "cifar-10-batches-py"
@@ -190,12 +219,15 @@ def load_cifar10(root):
     def batches(names):
         xs, ys = [], []
         for name in names:
-            try:  # the official python-pickle batches; only open files you trust
+            try:
                 with open(folder / name, "rb") as f:
-                    batch = pickle.load(f, encoding="bytes")
+                    batch = load_array_pickle(f)
                 xs.append(torch.as_tensor(batch[b"data"], dtype=torch.uint8).view(-1, 3, 32, 32))
                 ys.append(torch.tensor(batch[b"labels"]))
-            except (OSError, pickle.UnpicklingError, KeyError, EOFError, RuntimeError, TypeError) as err:
+            except RefusedPickle as err:
+                raise DataError(f"{folder / name} is not a plain CIFAR10 batch: {err}") from None
+            except (OSError, pickle.UnpicklingError, KeyError, EOFError, RuntimeError, TypeError,
+                    ValueError, AttributeError) as err:
                 raise DataError(f"{folder / name} is missing or not a CIFAR10 batch ({err})") from None
         return torch.cat(xs), torch.cat(ys)
 

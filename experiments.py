@@ -1,7 +1,8 @@
 """What produces this project's tables, beside the method in recl.py.
 
     python experiments.py aggregate DIR     the table of the runs in DIR (mean (std) over
-                                            seeds), and DIR/chart-DATASET.svg
+                                            seeds), DIR/chart-DATASET.svg, and the accuracy
+                                            matrix of each method, DIR/matrix-*.svg
     python experiments.py tune RECL-FLAGS   choose a method's lr, epochs and own settings on
                                             validation data (paper App. F), e.g.
                                             python experiments.py tune --method ewc --scenario cil
@@ -273,6 +274,60 @@ def chart_svg(records, dataset):
     return "\n".join(parts) + "\n"
 
 
+TASK_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+                "#bcbd22", "#17becf")
+
+
+def mean_accuracy_matrix(runs):
+    """R[t][i] averaged over seeds: test accuracy on task i after training task t (None above
+    the diagonal, where task i is not trained yet)."""
+    rows = [r["acc_matrix"] for r in runs]
+    return [[None if rows[0][t][i] is None else statistics.mean(m[t][i] for m in rows)
+             for i in range(len(rows[0][t]))] for t in range(len(rows[0]))]
+
+
+def matrix_svg(records, dataset, scenario, method):
+    """The accuracy matrix as lines, the figure continual-learning papers draw: one line per
+    task i, its test accuracy after each task t >= i (mean over seeds), so forgetting shows
+    as a line falling. One panel for the method alone, one with ReCL, and one with the
+    inversion control when it was run."""
+    from xml.sax.saxutils import escape
+    chosen = [r for r in records if (r["dataset"], r["scenario"], r["method"]) == (dataset, scenario, method)
+              and not r.get("diverged") and r.get("config", {}).get("tuning", "naive") == "naive"]
+    panels = [(label, [r for r in chosen if run_name(r) == method + suffix])
+              for suffix, _, label in CHART_VARIANTS]
+    panels = [(label, runs) for label, runs in panels if runs]
+    n_tasks = len(panels[0][1][0]["acc_matrix"])
+    panel_w, left, top, plot_h = 300, 40, 60, 200
+    x = lambda p, t: p * panel_w + left + (panel_w - left - 20) * t / max(1, n_tasks - 1)
+    y = lambda acc: top + plot_h * (1 - acc / 100)
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{panel_w * len(panels) + 10}" '
+             f'height="{top + plot_h + 50}" font-family="sans-serif" font-size="11">',
+             f'<text x="10" y="18" font-size="14">{escape(dataset)}, {scenario.upper()}: test accuracy of '
+             f'each task after training task t (mean over seeds)</text>']
+    parts += [f'<line x1="{10 + 60 * i}" y1="33" x2="{24 + 60 * i}" y2="33" stroke="{TASK_COLOURS[i % 10]}" '
+              f'stroke-width="2"/><text x="{28 + 60 * i}" y="37">task {i + 1}</text>' for i in range(n_tasks)]
+    for p, (label, runs) in enumerate(panels):
+        R = mean_accuracy_matrix(runs)
+        acc = statistics.mean(r["ACC"] for r in runs)
+        parts.append(f'<text x="{x(p, 0)}" y="{top - 8}" font-weight="bold">{escape(method if label == "method" else method + label)}'
+                     f' (ACC {acc:.1f}, {len(runs)} seeds)</text>')
+        for tick in range(0, 101, 20):
+            parts.append(f'<line x1="{x(p, 0) - 4}" y1="{y(tick)}" x2="{x(p, n_tasks - 1)}" y2="{y(tick)}" '
+                         f'stroke="#ddd"/><text x="{x(p, 0) - 6}" y="{y(tick) + 4}" text-anchor="end">{tick}</text>')
+        parts += [f'<text x="{x(p, t):.1f}" y="{top + plot_h + 16}" text-anchor="middle">{t + 1}</text>'
+                  for t in range(n_tasks)]
+        parts.append(f'<text x="{x(p, (n_tasks - 1) / 2):.1f}" y="{top + plot_h + 34}" text-anchor="middle">'
+                     f'after training task t</text>')
+        for i in range(n_tasks):
+            points = " ".join(f"{x(p, t):.1f},{y(R[t][i]):.1f}" for t in range(i, n_tasks))
+            parts.append(f'<polyline class="task" data-panel="{escape(label)}" data-task="{i + 1}" points="{points}" '
+                         f'fill="none" stroke="{TASK_COLOURS[i % 10]}" stroke-width="2"/>')
+            parts.append(f'<circle cx="{x(p, i):.1f}" cy="{y(R[i][i]):.1f}" r="2.5" fill="{TASK_COLOURS[i % 10]}"/>')
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"
+
+
 def aggregate(folder):
     """One table per (dataset, scenario) from every finished run's JSON in `folder`,
     and a chart per dataset, DIR/chart-DATASET.svg."""
@@ -300,6 +355,12 @@ def aggregate(folder):
         path = Path(folder) / f"chart-{dataset}.svg"
         write_atomically(path, chart_svg(records, dataset))
         print(f"chart: {path}", file=sys.stderr)
+    for dataset, scenario, method in sorted({(r["dataset"], r["scenario"], r["method"]) for r in records
+                                             if r.get("acc_matrix") and not r.get("diverged")
+                                             and r["method"] != "joint"}):
+        path = Path(folder) / f"matrix-{dataset}-{scenario}-{method}.svg"
+        write_atomically(path, matrix_svg(records, dataset, scenario, method))
+    print(f"accuracy matrices: {folder}/matrix-DATASET-SCENARIO-METHOD.svg", file=sys.stderr)
     return "\n".join(tables)
 
 

@@ -860,6 +860,26 @@ def test_cifar10_is_read_from_python_batches(tmp_path):
         data.make_tasks("cifar10", 1, data_root=tmp_path)
 
 
+def test_a_crafted_cifar10_batch_is_refused_and_runs_nothing(tmp_path):
+    import pickle
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    marker = tmp_path / "ran"
+
+    class Payload:  # unpickling this would call os.system and create `marker`
+        def __reduce__(self):
+            import os
+            return os.system, (f"touch {marker}",)
+
+    honest = {b"data": torch.zeros(20, 3072, dtype=torch.uint8).numpy(), b"labels": [0] * 20}
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        (folder / name).write_bytes(pickle.dumps(honest, protocol=2))  # Python 2's protocol, like the real files
+    (folder / "data_batch_3").write_bytes(pickle.dumps({b"data": Payload(), b"labels": [0]}))
+    with pytest.raises(data.DataError, match="asks to call posix.system.*nothing was run") as err:
+        data.make_tasks("cifar10", 1, data_root=tmp_path)
+    assert "\n" not in str(err.value) and not marker.exists()
+
+
 def test_tinyimagenet_is_read_from_its_folder_layout(tmp_path):
     from torchvision.utils import save_image
     root = tmp_path / "tiny-imagenet-200"
@@ -1186,6 +1206,28 @@ def test_aggregate_draws_a_well_formed_chart_with_one_bar_per_method_and_variant
     assert heights[("cil", "gpm+inversion")] == pytest.approx(heights[("cil", "gpm")] * 60.5 / 50.5, rel=1e-2)
     paper = [l for l in root.iter(ns + "line") if l.get("class") == "paper"]
     assert len(paper) == 8  # the paper's value over each method and +ReCL bar, none over inversion
+
+
+def test_aggregate_draws_each_methods_accuracy_matrix_as_lines_one_panel_per_variant(tmp_path):
+    import xml.etree.ElementTree as ET
+    for use_recl, objective in ((False, "stationarity"), (True, "stationarity"), (True, "inversion")):
+        for seed in range(2):
+            forget = 10.0 if use_recl else 40.0 + 20 * seed  # task 1 after task 2: 90, or 60 and 40
+            R = [[100.0, None, None], [100.0 - forget, 90.0, None], [50.0, 80.0, 70.0]]
+            record = {**fake_record("finetune", use_recl, seed, 60.0, -20.0),
+                      "acc_matrix": R, "config": {"rec_objective": objective, "seed": seed}}
+            recl.write_json_atomically(tmp_path / f"{use_recl}-{objective}-{seed}.json", record)
+    experiments.aggregate(tmp_path)
+    root = ET.parse(tmp_path / "matrix-mnist-cil-finetune.svg").getroot()
+    lines = {(l.get("data-panel"), l.get("data-task")): [tuple(map(float, p.split(",")))
+                                                         for p in l.get("points").split()]
+             for l in root.iter("{http://www.w3.org/2000/svg}polyline")}
+    assert set(lines) == {(panel, str(i)) for panel in ("method", "+ReCL", "+inversion") for i in (1, 2, 3)}
+    assert [len(lines[("method", str(i))]) for i in (1, 2, 3)] == [3, 2, 1]  # task i from task i on
+    drop = lambda panel, t: lines[(panel, "1")][t][1] - lines[(panel, "1")][0][1]  # pixels below 100
+    per_point = drop("method", 2) / 50  # task 1 ends at 50
+    assert drop("method", 1) == pytest.approx(50 * per_point, abs=0.2)  # mean of 60 and 40
+    assert drop("+ReCL", 1) == pytest.approx(10 * per_point, abs=0.2) and per_point > 0
 
 
 def test_tune_searches_the_grid_on_validation_data_only(tmp_path, monkeypatch):
