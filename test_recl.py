@@ -973,6 +973,22 @@ def test_each_network_fits_real_images(name, lr):
         assert (model(x).argmax(1) == y).all()
 
 
+def test_resnet18_scores_when_evaluated_what_it_learned_in_training():
+    """Batch norm evaluates with running statistics; after a short task they still hold
+    much of their start (variance 1), and ResNet18 used to score chance on digits it had
+    fitted. train_task re-estimates them, so evaluation agrees with training."""
+    tasks, _, _ = data.make_tasks("mnist", 0, 16, "dil", 2)
+    x, y = F.avg_pool2d(tasks[0].x_train, 2), tasks[0].y_train
+    torch.manual_seed(0)
+    model = models.build_model("resnet18", x.shape[1:], 2)
+    recl.train_task(model, x, y, {}, {}, config(model="resnet18", epochs=8, lr=0.05, batch_size=16))
+    model.train()
+    with torch.no_grad():
+        in_training = (model(x).argmax(1) == y).float().mean().item() * 100
+    assert in_training > 90
+    assert recl.accuracy(model, x, y) >= in_training - 5
+
+
 def test_cnn_runs_a_recl_task_and_gpm_projects_its_convolutions():
     tasks = synthetic_tasks("cil", n_tasks=2, shape=(3, 12, 12))
     cfg = config(model="cnn", epochs=1, n_rec=3, m=2, filter=False)
