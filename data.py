@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 MNIST_SUBSET = Path(__file__).resolve().parent / "data" / "mnist_5k.csv.gz"
+MNIST_SUBSET_PER_CLASS = 500  # images per digit in the shipped subset
 MNIST_SUBSET_SHA256 = "846f6cad587fea3877f6e0fe0a1968dfc68867ce170d3bc9fc2dccdbed17961d"
 
 

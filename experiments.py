@@ -35,7 +35,9 @@ import data
 import models
 import recl
 import strategies
-from recl import METHODS, RunFailed, UsageError, variant_name, write_atomically, write_json_atomically
+import cli
+from cli import METHODS, RunFailed, UsageError, write_atomically, write_json_atomically
+from recl import variant_name
 
 # =============================================================================
 # 1. For run_all.sh: is a finished run still what would run now? And workers that run the rest
@@ -85,8 +87,8 @@ def pending_runs(lines, report=print):
             continue
         kind, args = command
         try:
-            cfg = recl.make_parser().parse_args(args)
-            recl.check_args(cfg)
+            cfg = cli.make_parser().parse_args(args)
+            cli.check_args(cfg)
         except UsageError:  # let the run itself say what is wrong
             todo.append(line)
             continue
@@ -417,8 +419,8 @@ def tuning_path(cfg):
 
 def tune(argv, log=None):
     """tune: run the validation search, save every trial, print the winner."""
-    cfg = recl.make_parser().parse_args(argv)
-    recl.check_args(cfg)
+    cfg = cli.make_parser().parse_args(argv)
+    cli.check_args(cfg)
     if cfg.lr is not None or cfg.epochs is not None:
         raise UsageError("tune chooses --lr and --epochs itself; leave them out")
     log = log or ((lambda *a: None) if cfg.quiet else (lambda *a: print(*a, flush=True)))
@@ -429,7 +431,7 @@ def tune(argv, log=None):
     searched = {**vars(recl.run_settings(cfg, cfg.seed, use_recl)), "lr": None, "epochs": None}  # what it chose
     write_json_atomically(path, {"method": name, "scenario": cfg.scenario, "dataset": recl.dataset_name(cfg.dataset),
                                  "seed": cfg.seed, "trials": trials, "config": searched,
-                                 "provenance": recl.provenance()})
+                                 "provenance": cli.provenance()})
     best = trials[0]
     if best["val_ACC"] is None:
         raise RunFailed(f"{name} {cfg.scenario}: every trial diverged ({path})")
@@ -557,8 +559,8 @@ def reconstruction_step(name, input_shape, m, device, repeats, precision="float3
 
 def end_to_end(device):
     """Finetune and Finetune+ReCL, SplitMNIST CIL, seed 0, as the command line runs them."""
-    cfg = recl.make_parser().parse_args(["--device", device.type])
-    recl.check_args(cfg)
+    cfg = cli.make_parser().parse_args(["--device", device.type])
+    cli.check_args(cfg)
     tasks, _, mean_image = data.make_tasks(cfg.dataset, 0, cfg.n_per_class, cfg.scenario, 2, cfg.data_root)
     runs = {}
     for use_recl in (False, True):
@@ -585,7 +587,7 @@ def benchmark(argv):
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(args.device)
-    machine = recl.provenance()
+    machine = cli.provenance()
     print(f"device {machine['device']}, {machine['threads']} threads, torch {machine['torch']}", flush=True)
 
     peak, peak_bf16 = matmul_peak(device), matmul_peak(device, torch.bfloat16)
@@ -649,4 +651,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    recl.run_from_command_line(main, "experiments.py")
+    cli.run_from_command_line(main, "experiments.py")

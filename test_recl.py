@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import grad, vmap
 
+import cli
 import data
 import models
 import experiments
@@ -28,7 +29,7 @@ def config(use_recl=True, **overrides):
     """A +ReCL run's settings as recl.run_settings resolves them, with `overrides` standing
     for flags given on the command line (lr 0.05 and 20 epochs unless given; float32, so
     that every CPU gives the same numbers)."""
-    cfg = recl.make_parser().parse_args([])
+    cfg = cli.make_parser().parse_args([])
     cfg.device, cfg.rec_precision, cfg.lr, cfg.epochs, cfg.hp = "cpu", "float32", 0.05, 20, []
     for k, v in overrides.items():
         setattr(cfg, k, v)
@@ -1035,7 +1036,7 @@ def test_non_homogeneous_models_run_a_recl_task(name):
     (["--rec-objective", "gradient"], "invalid choice"),
 ])
 def test_bad_cli_values_are_rejected_with_a_reason(argv, words):
-    with pytest.raises(recl.UsageError, match=words):
+    with pytest.raises(cli.UsageError, match=words):
         recl.main(argv)
 
 
@@ -1048,7 +1049,7 @@ def test_bad_cli_input_exits_nonzero_with_one_line():
 
 
 def test_help_gives_every_flag_a_meaning_and_its_default():
-    parser = recl.make_parser()
+    parser = cli.make_parser()
     text = parser.format_help()
     for action in parser._actions:
         assert action.help, f"{action.option_strings} has no help"
@@ -1057,6 +1058,12 @@ def test_help_gives_every_flag_a_meaning_and_its_default():
                   "(default: 0.001)"]:
         assert " ".join(shown.split()) in " ".join(text.split())
     assert "classifies as their label (default: on)" in " ".join(text.split())
+    # the help writes ReCL's defaults out; they must be recl.py's
+    for shown in [f"(default: {recl.DEFAULT_REPLAY_NOISE:g}, 0 for GPM)", f"{recl.DEFAULT_CE_WEIGHT['cil']:g} in CIL",
+                  f"{recl.DEFAULT_LR_X['displacement']:g} for the displacement target",
+                  f"{recl.DEFAULT_LR_X['weights']:g} for the weights", f"{recl.INVERSION_LR_X['cil']:g} (CIL)",
+                  f"{recl.INVERSION_LR_X['dil']:g} (DIL)"]:
+        assert shown in " ".join(text.split()), shown
 
 
 def test_method_hyperparameters_come_from_the_command_line(tmp_path):
@@ -1082,7 +1089,7 @@ def test_main_writes_one_json_per_run(tmp_path, capsys):
 
 def test_write_json_atomically_leaves_no_temporary_file(tmp_path):
     path = tmp_path / "sub" / "run.json"
-    recl.write_json_atomically(path, {"ACC": 1.5})
+    cli.write_json_atomically(path, {"ACC": 1.5})
     assert json.loads(path.read_text()) == {"ACC": 1.5}
     assert [p.name for p in path.parent.iterdir()] == ["run.json"]
 
@@ -1095,7 +1102,7 @@ def test_a_diverged_run_says_so_exits_nonzero_and_is_never_averaged(tmp_path):
     assert result.stderr.count("\n") == 1 and "diverged: training loss" in result.stderr
     record = json.loads((tmp_path / "mnist-cil-finetune-seed0.json").read_text())
     assert record["ACC"] is None and record["BWT"] is None and "of task" in record["diverged"]
-    recl.write_json_atomically(tmp_path / "mnist-cil-finetune-seed1.json", fake_record("finetune", False, 1, 60, -30))
+    cli.write_json_atomically(tmp_path / "mnist-cil-finetune-seed1.json", fake_record("finetune", False, 1, 60, -30))
     table = experiments.aggregate(tmp_path)
     assert "| finetune | 1 | 60.00 (0.00) |" in table  # the diverged seed is not in the mean
     assert "Diverged, not averaged: finetune seed 0 (training loss" in table
@@ -1103,8 +1110,8 @@ def test_a_diverged_run_says_so_exits_nonzero_and_is_never_averaged(tmp_path):
 
 def test_paper_preset_switches_off_each_departure_unless_a_flag_is_given():
     def run_cfg(*flags, use_recl=True):
-        cfg = recl.make_parser().parse_args(["--method", "ewc", *flags])
-        recl.check_args(cfg)
+        cfg = cli.make_parser().parse_args(["--method", "ewc", *flags])
+        cli.check_args(cfg)
         return recl.run_settings(cfg, 0, use_recl)
 
     today, paper = run_cfg(), run_cfg("--paper")
@@ -1149,11 +1156,11 @@ def test_the_recl_variant_trains_with_its_own_settings(tmp_path, monkeypatch):
 
 def test_replay_noise_is_the_default_but_gpm_replays_without_and_the_flag_wins():
     def cfg(*flags):
-        parsed = recl.make_parser().parse_args(["--method", "gpm", *flags])
-        recl.check_args(parsed)
+        parsed = cli.make_parser().parse_args(["--method", "gpm", *flags])
+        cli.check_args(parsed)
         return parsed
 
-    finetune = recl.make_parser().parse_args([])
+    finetune = cli.make_parser().parse_args([])
     assert recl.run_settings(finetune, 0, True).replay_noise == recl.DEFAULT_REPLAY_NOISE > 0
     assert recl.run_settings(finetune, 0, False).replay_noise == recl.DEFAULT_REPLAY_NOISE  # recorded alike
     for scenario in ("cil", "dil"):
@@ -1162,7 +1169,7 @@ def test_replay_noise_is_the_default_but_gpm_replays_without_and_the_flag_wins()
         assert gpm.replay_noise == 0.0 and gpm.lr == expected_lr
         assert recl.run_settings(cfg("--scenario", scenario), 0, False).replay_noise == 0.0  # recorded alike
         assert recl.run_settings(cfg("--scenario", scenario, "--replay-noise", "1.5"), 0, True).replay_noise == 1.5
-    with pytest.raises(recl.UsageError, match="--replay-noise must be"):
+    with pytest.raises(cli.UsageError, match="--replay-noise must be"):
         cfg("--replay-noise", "-1")
 
 
@@ -1177,9 +1184,9 @@ def fake_record(method, use_recl, seed, acc, bwt, scenario="cil"):
 
 def test_aggregate_gives_mean_and_std_per_variant_and_ignores_partial_files(tmp_path):
     for seed, (acc, bwt) in enumerate([(50, -40), (60, -30), (70, -20)]):
-        recl.write_json_atomically(tmp_path / f"a{seed}.json", fake_record("ewc", False, seed, acc, bwt))
-    recl.write_json_atomically(tmp_path / "b.json", fake_record("ewc", True, 0, 80, -5))
-    recl.write_json_atomically(tmp_path / "c.json", fake_record("finetune", False, 0, 40, -50, "dil"))
+        cli.write_json_atomically(tmp_path / f"a{seed}.json", fake_record("ewc", False, seed, acc, bwt))
+    cli.write_json_atomically(tmp_path / "b.json", fake_record("ewc", True, 0, 80, -5))
+    cli.write_json_atomically(tmp_path / "c.json", fake_record("finetune", False, 0, 40, -50, "dil"))
     (tmp_path / ".d.json.123.tmp").write_text('{"half a')  # a run killed mid-write
     table = experiments.aggregate(tmp_path)
     assert "| ewc | 3 | 60.00 (10.00) | -30.00 (10.00) |  |  | 10.0 |" in table
@@ -1191,10 +1198,10 @@ def test_aggregate_gives_mean_and_std_per_variant_and_ignores_partial_files(tmp_
 def test_aggregate_warns_when_one_row_mixes_settings(tmp_path, capsys):
     for seed, n_rec in enumerate([100, 100, 30]):
         record = {**fake_record("finetune", True, seed, 70, -20), "config": {"seed": seed, "n_rec": n_rec, "out": "x"}}
-        recl.write_json_atomically(tmp_path / f"r{seed}.json", record)
+        cli.write_json_atomically(tmp_path / f"r{seed}.json", record)
     experiments.aggregate(tmp_path)
     assert "mnist cil finetune+recl mixes runs made with different settings (n_rec 100 -> 30)" in capsys.readouterr().err
-    recl.write_json_atomically(tmp_path / "r2.json", {**fake_record("finetune", True, 2, 70, -20),
+    cli.write_json_atomically(tmp_path / "r2.json", {**fake_record("finetune", True, 2, 70, -20),
                                                       "config": {"seed": 2, "n_rec": 100, "out": "elsewhere"}})
     experiments.aggregate(tmp_path)
     assert "mixes" not in capsys.readouterr().err  # seed and output folder do not count
@@ -1209,8 +1216,8 @@ def test_aggregate_draws_a_well_formed_chart_with_one_bar_per_method_and_variant
                 for seed in range(2):
                     record = {**fake_record(method, use_recl, seed, acc + seed, -10, scenario),
                               "config": {"rec_objective": objective, "seed": seed}}
-                    recl.write_json_atomically(tmp_path / f"{scenario}-{method}-{acc}-{seed}.json", record)
-    recl.write_json_atomically(tmp_path / "d.json", {**fake_record("er", False, 0, None, None), "diverged": "nan"})
+                    cli.write_json_atomically(tmp_path / f"{scenario}-{method}-{acc}-{seed}.json", record)
+    cli.write_json_atomically(tmp_path / "d.json", {**fake_record("er", False, 0, None, None), "diverged": "nan"})
     experiments.aggregate(tmp_path)
     root = ET.parse(tmp_path / "chart-mnist.svg").getroot()  # raises if not well-formed XML
     ns = "{http://www.w3.org/2000/svg}"
@@ -1232,7 +1239,7 @@ def test_aggregate_draws_each_methods_accuracy_matrix_as_lines_one_panel_per_var
             R = [[100.0, None, None], [100.0 - forget, 90.0, None], [50.0, 80.0, 70.0]]
             record = {**fake_record("finetune", use_recl, seed, 60.0, -20.0),
                       "acc_matrix": R, "config": {"rec_objective": objective, "seed": seed}}
-            recl.write_json_atomically(tmp_path / f"{use_recl}-{objective}-{seed}.json", record)
+            cli.write_json_atomically(tmp_path / f"{use_recl}-{objective}-{seed}.json", record)
     experiments.aggregate(tmp_path)
     root = ET.parse(tmp_path / "matrix-mnist-cil-finetune.svg").getroot()
     lines = {(l.get("data-panel"), l.get("data-task")): [tuple(map(float, p.split(",")))
@@ -1269,7 +1276,7 @@ def test_tune_searches_the_grid_on_validation_data_only(tmp_path, monkeypatch):
     experiments.tune(["--variant", "recl", "--dataset", str(path), "--method", "ewc", "--trials", "1",
                       "--n-per-class", "10", "--n-rec", "2", "--out", str(tmp_path), "--quiet"])
     assert with_recl[-1] and (tmp_path / "toy-cil-ewc+recl-tuning-seed0.json").exists()
-    with pytest.raises(recl.UsageError, match="tune chooses --lr and --epochs itself"):
+    with pytest.raises(cli.UsageError, match="tune chooses --lr and --epochs itself"):
         experiments.tune(["--lr", "0.1"])
 
 
@@ -1286,15 +1293,15 @@ def test_a_diverged_trial_counts_as_failed_in_the_search(tmp_path, monkeypatch):
 def test_tuning_table_reports_the_best_validation_trial(tmp_path):
     trials = [{"settings": {"lr": 0.1, "epochs": 10}, "val_ACC": 40.0},
               {"settings": {"lr": 0.01, "epochs": 40}, "val_ACC": 55.5}]
-    recl.write_json_atomically(tmp_path / "t.json", {"method": "er", "scenario": "dil", "dataset": "mnist",
+    cli.write_json_atomically(tmp_path / "t.json", {"method": "er", "scenario": "dil", "dataset": "mnist",
                                                       "seed": 0, "trials": trials})
     assert "| mnist | dil | er | lr 0.01, epochs 40 | 55.50 | 2 |" in experiments.aggregate(tmp_path)
 
 
 def config_a_run_records(args):
     """The config `python recl.py ARGS` (one seed, one variant) would write into its JSON."""
-    cfg = recl.make_parser().parse_args(args)
-    recl.check_args(cfg)
+    cfg = cli.make_parser().parse_args(args)
+    cli.check_args(cfg)
     return vars(recl.run_settings(cfg, cfg.seed, cfg.variant == "recl"))
 
 
@@ -1304,17 +1311,17 @@ def test_run_all_skips_finished_runs_and_reruns_stale_ones(tmp_path):
             "config": config_a_run_records(common + ["--variant", "base", "--seed", "0"])}
     del done["config"]["rec_objective"]  # made before the flag existed: it counts as its default
     path, line = tmp_path / "mnist-cil-finetune-seed0.json", f"python recl.py {' '.join(common)} --variant base --seed 0"
-    recl.write_json_atomically(path, done)
+    cli.write_json_atomically(path, done)
     assert experiments.pending_runs([line]) == []
     before = {k: v for k, v in done["config"].items() if k != "ce_weight"}  # CIL had no CE term then
-    recl.write_json_atomically(path, {**done, "config": before})
+    cli.write_json_atomically(path, {**done, "config": before})
     assert experiments.pending_runs([line], lambda message: None) == [line]
     dil = config_a_run_records(common + ["--variant", "base", "--seed", "0", "--scenario", "dil"])
     assert dil["ce_weight"] == experiments.ADDED_LATER["ce_weight"]  # a DIL run from before stays current
-    recl.write_json_atomically(path, done)
+    cli.write_json_atomically(path, done)
     stale = {**fake_record("finetune", True, 1, 1, 1),  # made before a default changed
              "config": {**config_a_run_records(common + ["--variant", "recl", "--seed", "1"]), "n_rec": 50}}
-    recl.write_json_atomically(tmp_path / "mnist-cil-finetune+recl-seed1.json", stale)
+    cli.write_json_atomically(tmp_path / "mnist-cil-finetune+recl-seed1.json", stale)
     env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "DRY_RUN": "1", "DATA_ROOT": str(tmp_path), "SEEDS": "2", "METHODS": "finetune gpm",
            "SCENARIOS": "cil", "RESULTS": str(tmp_path), "DATASETS": "mnist cifar10"}
     result = subprocess.run(["bash", str(HERE / "run_all.sh"), "--epochs", "3"],
@@ -1332,7 +1339,7 @@ def test_run_all_skips_finished_runs_and_reruns_stale_ones(tmp_path):
 
 def test_a_changed_tuned_setting_makes_a_result_stale(tmp_path, monkeypatch):
     args = ["--method", "ewc", "--variant", "base", "--seed", "0", "--out", str(tmp_path)]
-    recl.write_json_atomically(tmp_path / "mnist-cil-ewc-seed0.json", {"config": config_a_run_records(args)})
+    cli.write_json_atomically(tmp_path / "mnist-cil-ewc-seed0.json", {"config": config_a_run_records(args)})
     line = "python recl.py " + " ".join(args)
     assert experiments.pending_runs([line]) == []
     monkeypatch.setitem(strategies.TUNED, "cil", {"ewc": {"lr": 0.5, "epochs": 20, "ewc_lambda": 1000.0}})
@@ -1352,7 +1359,7 @@ def test_quick_presets_yield_to_explicit_knobs(tmp_path):
     result = subprocess.run(["bash", str(HERE / "run_all.sh"), "--epochs", "9", "--n-rec", "7"],
                             capture_output=True, text=True, env=env)
     line = next(l for l in result.stdout.splitlines() if "recl.py" in l)
-    cfg = recl.make_parser().parse_args(line.split("recl.py")[1].split())
+    cfg = cli.make_parser().parse_args(line.split("recl.py")[1].split())
     assert (cfg.epochs, cfg.n_rec) == (9, 7)  # the flags given win over QUICK's 5 and 20
 
 
@@ -1376,7 +1383,7 @@ def test_run_all_runs_the_joint_bound_once_per_seed_and_variants_as_asked(tmp_pa
 def test_run_all_sweeps_a_flag_into_one_folder_per_value(tmp_path):
     (tmp_path / "m-25").mkdir()
     finished = config_a_run_records(["--method", "finetune", "--variant", "recl", "--m", "25"])
-    recl.write_json_atomically(tmp_path / "m-25" / "mnist-cil-finetune+recl-seed0.json",
+    cli.write_json_atomically(tmp_path / "m-25" / "mnist-cil-finetune+recl-seed0.json",
                                {**fake_record("finetune", True, 0, 1, 1), "config": finished})
     result, runs = run_all_dry(tmp_path, SWEEP="m 10 25", METHODS="finetune", SEEDS="1", RESULTS=str(tmp_path),
                                VARIANTS="base recl")
@@ -1420,7 +1427,7 @@ def test_queue_workers_claim_each_run_once_and_a_run_gives_what_it_gives_alone(t
     lines += ["echo not a run", f"python recl.py --m -5 {tiny} --out {tmp_path}"]  # ignored; fails in one line
     (tmp_path / "commands").write_text("\n".join(lines) + "\n")
     (tmp_path / "claimed-1").touch()  # another worker has taken seed 1
-    with pytest.raises(recl.RunFailed, match="1 queued run"):
+    with pytest.raises(cli.RunFailed, match="1 queued run"):
         experiments.work_through_queue(tmp_path)
     done = sorted(p.name for p in (tmp_path / "queue").iterdir())
     assert done == ["mnist-cil-finetune+recl-seed0.json", "mnist-cil-finetune+recl-seed2.json"]
@@ -1434,7 +1441,7 @@ def test_queue_workers_claim_each_run_once_and_a_run_gives_what_it_gives_alone(t
     without_time = lambda record: [{k: v for k, v in r.items() if k != "seconds"} for r in record["reconstructions"]]
     assert queued["acc_matrix"] == single["acc_matrix"] and without_time(queued) == without_time(single)
     assert experiments.work_through_queue(tmp_path) is None  # everything claimed: a second worker does nothing
-    with pytest.raises(recl.UsageError, match="no file"):
+    with pytest.raises(cli.UsageError, match="no file"):
         experiments.work_through_queue(tmp_path / "queue")
 
 
