@@ -3,7 +3,9 @@
 ReCL's theory (paper App. B.1) needs *homogeneous* networks: scaling the weights
 by c scales the output by c^L. Plain ReLU MLPs and CNNs without bias vectors are
 homogeneous. Following the paper (App. F.1) and the reconstruction reference code,
-only the first layer has a bias, and that layer starts at a tiny scale (1e-4).
+only the first layer has a bias. The MLP's first layer starts at a tiny scale (1e-4),
+as there; the CNN starts at He scale throughout (chosen on validation, see
+docs/running.md: a 1e-4 first layer learns each task only partly at small lr).
 """
 import copy
 
@@ -38,8 +40,8 @@ def he_init(model):
     Why not PyTorch's default: it draws each layer with a gain of about 1/sqrt(3)
     (kaiming_uniform with a = sqrt(5)), so the signal shrinks by that factor per
     layer. Two hidden layers (the MLP) still learn; through the CNN's five layers
-    behind a first layer at scale 1e-4, or AlexNet's eight, the output starts near
-    zero and plain SGD never leaves ln C (test_recl.py checks that each network fits
+    (with a first layer at scale 1e-4, as the MLP has), or AlexNet's eight, the
+    output starts near zero and plain SGD never leaves ln C (test_recl.py checks that each network fits
     data)."""
     for module in model.modules():
         if isinstance(module, (nn.Conv2d, nn.Linear)):
@@ -54,7 +56,7 @@ class CNN(nn.Module):
     channels, then 640-320-C. The convolutions use stride 2 to keep the dense
     layers small; no pooling, and a bias in the first layer only."""
 
-    def __init__(self, input_shape, n_classes, channels=160, first_init_scale=1e-4):
+    def __init__(self, input_shape, n_classes, channels=160):
         super().__init__()
         c, h, w = input_shape
         self.conv1 = nn.Conv2d(c, channels, 3, stride=2)
@@ -64,10 +66,7 @@ class CNN(nn.Module):
         self.fc2 = nn.Linear(640, 320, bias=False)
         self.head = nn.Linear(320, n_classes, bias=False)
         self.act1, self.act2, self.act3, self.act4 = (nn.ReLU() for _ in range(4))
-        he_init(self)
-        with torch.no_grad():  # then the first layer small, as in the MLP
-            self.conv1.weight.normal_().mul_(first_init_scale)
-            self.conv1.bias.normal_().mul_(first_init_scale)
+        he_init(self)  # every layer, the first too: see the module docstring
 
     def forward(self, x):
         x = self.act2(self.conv2(self.act1(self.conv1(x))))
