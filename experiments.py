@@ -288,6 +288,13 @@ def mean_accuracy_matrix(runs):
              for i in range(len(rows[0][t]))] for t in range(len(rows[0]))]
 
 
+def drawn(record):
+    """Runs the accuracy-matrix figure draws: finished, with the paper's (naive) ReCL
+    settings; the tuned-ReCL rows of a table have no panel of their own."""
+    return (bool(record.get("acc_matrix")) and not record.get("diverged")
+            and record.get("config", {}).get("tuning", "naive") == "naive")
+
+
 def matrix_svg(records, dataset, scenario, method):
     """The accuracy matrix as lines, the figure continual-learning papers draw: one line per
     task i, its test accuracy after each task t >= i (mean over seeds), so forgetting shows
@@ -295,7 +302,7 @@ def matrix_svg(records, dataset, scenario, method):
     inversion control when it was run."""
     from xml.sax.saxutils import escape
     chosen = [r for r in records if (r["dataset"], r["scenario"], r["method"]) == (dataset, scenario, method)
-              and not r.get("diverged") and r.get("config", {}).get("tuning", "naive") == "naive"]
+              and drawn(r)]
     panels = [(label, [r for r in chosen if run_name(r) == method + suffix])
               for suffix, _, label in CHART_VARIANTS]
     panels = [(label, runs) for label, runs in panels if runs]
@@ -358,8 +365,7 @@ def aggregate(folder):
         write_atomically(path, chart_svg(records, dataset))
         print(f"chart: {path}", file=sys.stderr)
     for dataset, scenario, method in sorted({(r["dataset"], r["scenario"], r["method"]) for r in records
-                                             if r.get("acc_matrix") and not r.get("diverged")
-                                             and r["method"] != "joint"}):
+                                             if drawn(r) and r["method"] != "joint"}):
         path = Path(folder) / f"matrix-{dataset}-{scenario}-{method}.svg"
         write_atomically(path, matrix_svg(records, dataset, scenario, method))
     print(f"accuracy matrices: {folder}/matrix-DATASET-SCENARIO-METHOD.svg", file=sys.stderr)

@@ -57,8 +57,9 @@ folders() {  # "folder extra-flag value" per sweep point; just RESULTS without a
   if [ -z "$SWEEP_FLAG" ]; then echo "$RESULTS"; return; fi
   for value in "${SWEEP_VALUES[@]}"; do echo "$RESULTS/$SWEEP_FLAG-$value --$SWEEP_FLAG $value"; done
 }
-# Share the cores between parallel runs instead of oversubscribing them.
-export OMP_NUM_THREADS=$(( $(nproc) / JOBS > 0 ? $(nproc) / JOBS : 1 ))
+# Share the cores between parallel runs instead of oversubscribing them; a thread
+# count set by the caller wins (two run_all.sh side by side: OMP_NUM_THREADS=1 each).
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / JOBS > 0 ? $(nproc) / JOBS : 1 ))}
 
 every_run() {  # one shell command per run, finished or not
   for dataset in $DATASETS; do

@@ -264,7 +264,11 @@ def extend_basis(basis, activations, threshold):
 
 def gpm_after_task(model, loader, state):
     bases = state.setdefault("bases", {})
-    x, _ = collect(loader, state["gpm_samples"])
+    # A random subset, as Saha et al. sample theirs: the loader is class-sorted, so its
+    # first rows would hold one class once a task has more than gpm_samples images.
+    x, y = collect(loader)
+    if len(x) > state["gpm_samples"]:
+        x, y = sample_rows(x, y, state["gpm_samples"])
     for name, r in layer_inputs(model, x).items():
         bases[name] = extend_basis(bases.get(name), r.T, state["gpm_threshold"])
 

@@ -456,9 +456,29 @@ def test_after_task_hooks_read_the_loader_as_they_would_read_the_whole_task():
         expected_x, expected_y = strategies.sample_rows(x, y, n)
         assert torch.equal(state["memory_x"], expected_x) and torch.equal(state["memory_y"], expected_y)
     state = strategies.new_state("gpm", gpm_samples=100)
+    torch.manual_seed(1)
     strategies.gpm_after_task(model, batches(), state)
-    for name, r in strategies.layer_inputs(model, x[:100]).items():
+    torch.manual_seed(1)
+    for name, r in strategies.layer_inputs(model, strategies.sample_rows(x, y, 100)[0]).items():
         torch.testing.assert_close(state["bases"][name], strategies.extend_basis(None, r.T, 0.99))
+
+
+def test_gpm_basis_sees_every_class_of_a_class_sorted_task():
+    """Tasks arrive sorted by class. With more images than gpm_samples, GPM must still
+    sample all classes: here class 0 lives in inputs 0-2 and class 1 in inputs 3-5, so a
+    basis built from the first rows alone would leave class 1's inputs unprotected."""
+    torch.manual_seed(0)
+    x = torch.zeros(800, 6)
+    x[:400, :3], x[400:, 3:] = torch.randn(400, 3), torch.randn(400, 3)
+    y = torch.cat([torch.zeros(400), torch.ones(400)]).long()
+    model = models.MLP(6, 2, hidden=8, first_init_scale=1.0)
+    state = strategies.new_state("gpm", gpm_samples=300)
+    strategies.gpm_after_task(model, data.loader(x, y, 64, shuffle=False), state)
+    first = next(iter(strategies.projected_layers(model)))
+    basis = state["bases"][first]
+    class_1 = strategies.layer_inputs(model, x[400:])[first].T
+    kept = (basis @ (basis.T @ class_1)).norm() / class_1.norm()
+    assert kept > 0.9
 
 
 def test_lwf_loss_is_zero_against_itself_and_positive_after_change():
@@ -1251,6 +1271,11 @@ def test_aggregate_draws_each_methods_accuracy_matrix_as_lines_one_panel_per_var
     per_point = drop("method", 2) / 50  # task 1 ends at 50
     assert drop("method", 1) == pytest.approx(50 * per_point, abs=0.2)  # mean of 60 and 40
     assert drop("+ReCL", 1) == pytest.approx(10 * per_point, abs=0.2) and per_point > 0
+    tuned_only = tmp_path / "tuned"  # only runs with tuned ReCL settings: nothing to draw, no crash
+    cli.write_json_atomically(tuned_only / "t.json", {**fake_record("er", True, 0, 60.0, -20.0), "acc_matrix": R,
+                                                      "config": {"tuning": "tuned", "seed": 0}})
+    assert "er+recl (tuned)" in experiments.aggregate(tuned_only)
+    assert not list(tuned_only.glob("matrix-*.svg"))
 
 
 def test_tune_searches_the_grid_on_validation_data_only(tmp_path, monkeypatch):
