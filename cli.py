@@ -3,8 +3,9 @@
 Every flag is a knob of recl.run_settings (recl.py part 5), which resolves the
 ones left out; check_args rejects values that make no sense before any work
 starts, so bad input ends in one line, not a traceback. Also here: how results
-are written (atomically, so an interrupted run never leaves half a file) and
-what is recorded about the machine that made them.
+are written (atomically, so an interrupted run never leaves half a file),
+what is recorded about the machine that made them, and which number format
+`--rec-precision auto` picks on it.
 """
 import argparse
 import json
@@ -86,7 +87,7 @@ def make_parser():
                    help="score on 20%% of each task's training images, held out, not on the test set")
     g = p.add_argument_group("reconstruction")
     g.add_argument("--m", type=int, default=None,
-                   help="candidates per old class (default: --n-per-class; in DIL per class and old task)")
+                   help="candidates per old class (default: --n-per-class, or 100 with all; in DIL per class and old task)")
     g.add_argument("--n-rec", type=int, default=100, help="reconstruction steps before each task")
     g.add_argument("--sigma-x", type=float, default=1e-3, help="std of the initial random candidates")
     g.add_argument("--rec-objective", choices=["stationarity", "inversion"], default="stationarity",
@@ -202,3 +203,20 @@ def run_from_command_line(main, program):
         sys.exit(f"{program}: error: {err}")
     except KeyboardInterrupt:
         sys.exit(f"{program}: interrupted; finished runs are saved, rerun to redo the rest")
+
+
+# The number format of the reconstruction's matrix products (`--rec-precision`).
+# Under torch.autocast the products and convolutions of Eq. 3's double backward
+# take bfloat16 inputs (summed in float32); the rest stays float32. The fit does
+# not notice, and on a CPU with bfloat16 instructions (AVX512-BF16 or AMX) a
+# step takes 1.6 to 2.4 times less (docs/cost.md). `auto` uses it only there:
+# other CPUs would emulate it, and on a GPU it is unmeasured. Training is
+# always float32.
+
+def reconstruction_precision(choice, device):
+    """'float32' or 'bfloat16' for `--rec-precision` choice ('auto' or either) on `device`."""
+    if choice != "auto":
+        return choice
+    capabilities = torch.cpu.get_capabilities() if device.type == "cpu" else {}
+    native = capabilities.get("avx512_bf16") or capabilities.get("amx_bf16")
+    return "bfloat16" if native else "float32"

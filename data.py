@@ -322,7 +322,7 @@ def load(dataset, data_root="data"):
 
 
 def make_tasks(dataset, seed, n_per_class=100, scenario="cil", classes_per_task=2, data_root="data"):
-    """Split a dataset into tasks, as in the paper (Sec. 5, App. D).
+    """Split a dataset into tasks, as in the paper (Sec. 5, App. C).
 
     Per seed: shuffle the class order, take `n_per_class` training images per
     class (None: all of them), test on the test images of the same classes (for

@@ -4,7 +4,7 @@
                                             seeds), DIR/chart-DATASET.svg, and the accuracy
                                             matrix of each method, DIR/matrix-*.svg
     python experiments.py tune RECL-FLAGS   choose a method's lr, epochs and own settings on
-                                            validation data (paper App. F), e.g.
+                                            validation data (paper App. D.3), e.g.
                                             python experiments.py tune --method ewc --scenario cil
     python experiments.py benchmark         what ReCL costs: one reconstruction step, and a
                                             whole run against its base method
@@ -96,7 +96,7 @@ def pending_runs(lines, report=print):
             if not tuning_path(cfg).exists():
                 todo.append(line)
             continue
-        use_recl = cfg.variant == "recl" and cfg.method != "joint"
+        use_recl = with_recl(cfg)
         path = recl.result_path(cfg.out, cfg, cfg.method, use_recl, cfg.seed)
         if not path.exists():
             todo.append(line)
@@ -186,11 +186,21 @@ def summary_table(records):
     return "\n".join(rows)
 
 
+def method_rank(method):
+    """Tables and charts list the methods in the paper's order; unknown ones last."""
+    return METHODS.index(method) if method in METHODS else len(METHODS)
+
+
+def with_recl(cfg):
+    """Whether a one-variant command line (a `tune`, or a queued run) means the +ReCL
+    variant: --variant recl, and never for joint, which has nothing to reconstruct."""
+    return cfg.variant == "recl" and cfg.method != "joint"
+
+
 def tuning_table(searches):
     """Markdown: the setting each validation search chose, ready for strategies.TUNED."""
     rows = ["| dataset | scenario | method | chosen (validation) | val ACC | trials |", "|---|---|---|---|---|---|"]
-    order = {m: i for i, m in enumerate(METHODS)}
-    for r in sorted(searches, key=lambda r: (r["dataset"], r["scenario"], order.get(r["method"], len(order)))):
+    for r in sorted(searches, key=lambda r: (r["dataset"], r["scenario"], method_rank(r["method"]))):
         best = max(r["trials"], key=trial_score)
         chosen = ", ".join(f"{k} {v:g}" for k, v in best["settings"].items())
         score = "all diverged" if best["val_ACC"] is None else f"{best['val_ACC']:.2f}"
@@ -232,7 +242,6 @@ def chart_svg(records, dataset):
     finished = [r for r in records if not r.get("diverged") and r["dataset"] == dataset
                 and r.get("config", {}).get("tuning", "naive") == "naive"]
     scenarios = [s for s in ("cil", "dil") if any(r["scenario"] == s for r in finished)]
-    order = {m: i for i, m in enumerate(METHODS)}
     panel_w, top, plot_h, bar_w = 430, 70, 240, 14
     y = lambda acc: top + plot_h * (1 - acc / 100)
     legend = "".join(f'<rect x="{10 + 90 * i}" y="28" width="10" height="10" fill="{colour}"/>'
@@ -245,7 +254,7 @@ def chart_svg(records, dataset):
     for p, scenario in enumerate(scenarios):
         x0 = 20 + 30 + p * panel_w
         runs = [r for r in finished if r["scenario"] == scenario]
-        methods = sorted({r["method"] for r in runs}, key=lambda m: order.get(m, len(order)))
+        methods = sorted({r["method"] for r in runs}, key=method_rank)
         group_w = (panel_w - 50) / max(1, len(methods))
         parts.append(f'<text x="{x0}" y="{top - 12}" font-weight="bold">{scenario.upper()}</text>')
         for tick in range(0, 101, 20):
@@ -353,8 +362,7 @@ def aggregate(folder):
         return tuning_table(searches)
     for warning in mixed_settings(records):
         print(warning, file=sys.stderr)
-    order = {m: i for i, m in enumerate(METHODS)}
-    records.sort(key=lambda r: (order.get(r["method"], len(order)), r["recl"],
+    records.sort(key=lambda r: (method_rank(r["method"]), r["recl"],
                                 r.get("config", {}).get("rec_objective") == "inversion", r["seed"]))
     tables = []
     for dataset, scenario in sorted({(r["dataset"], r["scenario"]) for r in records}):
@@ -373,7 +381,7 @@ def aggregate(folder):
 
 
 # =============================================================================
-# 3. Choosing a method's hyperparameters (paper App. F: on validation data)
+# 3. Choosing a method's hyperparameters (paper App. D.3: on validation data)
 # =============================================================================
 
 def tune_method(cfg, log=print):
@@ -385,7 +393,7 @@ def tune_method(cfg, log=print):
     out from the training images of seed cfg.seed. The test images are never
     loaded into the tasks this sees. Returns every trial, best first.
     """
-    use_recl = cfg.variant == "recl" and cfg.method != "joint"
+    use_recl = with_recl(cfg)
     base = recl.run_settings(cfg, cfg.seed, use_recl)
     tasks, _, mean_image = data.make_tasks(cfg.dataset, cfg.seed, cfg.n_per_class, cfg.scenario,
                                            base.classes_per_task, cfg.data_root)
@@ -431,7 +439,7 @@ def tune(argv, log=None):
         raise UsageError("tune chooses --lr and --epochs itself; leave them out")
     log = log or ((lambda *a: None) if cfg.quiet else (lambda *a: print(*a, flush=True)))
     trials = tune_method(cfg, log)
-    use_recl = cfg.variant == "recl" and cfg.method != "joint"
+    use_recl = with_recl(cfg)
     name = variant_name(cfg.method, use_recl, cfg.rec_objective)
     path = tuning_path(cfg)
     searched = {**vars(recl.run_settings(cfg, cfg.seed, use_recl)), "lr": None, "epochs": None}  # what it chose

@@ -2,7 +2,7 @@
 
 ReCL's theory (paper App. B.1) needs *homogeneous* networks: scaling the weights
 by c scales the output by c^L. Plain ReLU MLPs and CNNs without bias vectors are
-homogeneous. Following the paper (App. F.1) and the reconstruction reference code,
+homogeneous. Following the paper (App. D.1) and the reconstruction reference code,
 only the first layer has a bias. The MLP's first layer starts at a tiny scale (1e-4),
 as there; the CNN starts at He scale throughout (chosen on validation, see
 docs/running.md: a 1e-4 first layer learns each task only partly at small lr).
@@ -75,7 +75,7 @@ class CNN(nn.Module):
 
 
 # Two networks that are *not* homogeneous (biases, max-pooling, dropout, batch
-# norm, skips), which the paper (Sec. 6.3, App. J) uses to show that ReCL helps
+# norm, skips), which the paper (Sec. 6.4, App. J) uses to show that ReCL helps
 # beyond its theory. Sized for 32x32 and 64x64 images; the head has no bias so
 # that it grows like the others.
 

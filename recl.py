@@ -20,7 +20,7 @@ Reading order:
     2. Metrics              Eq. 1-2: ACC and BWT from the accuracy matrix R[t, i]
     3. The loop             one training loop into which strategies.py hooks;
                             ReCL only adds data to it
-    4. Judging and tuning   SSIM against real images (App. E), and the
+    4. Judging and tuning   SSIM against real images (App. D.5), and the
                             in-training searches (Sec. 4.3)
     5. Running it           where every run's settings are resolved, and main
 
@@ -49,7 +49,7 @@ from cli import RunFailed, write_json_atomically
 #
 # Phi(theta; x) for a multi-class network is the margin of x's label y: its
 # logit minus the largest other logit. At a margin-maximisation point the
-# weights satisfy the stationarity condition (App. B, Eq. 8), which Eq. 3 turns
+# weights satisfy the stationarity condition (App. B.2, Eq. 9), which Eq. 3 turns
 # into a loss over candidates x_1..x_m with fixed labels and coefficients
 # lambda_1..lambda_m:
 #
@@ -265,7 +265,7 @@ def reconstruct(model, labels, input_shape, cfg, log=print, earlier=None):
 def classified_as_labelled(model, x, y):
     """Departure 3, the filter: which candidates the model assigns to their own label.
     A candidate it files under another class would teach the wrong boundary
-    (App. E suggests filtering reconstructions)."""
+    (App. D.5 suggests filtering reconstructions)."""
     model.eval()
     return model(x).argmax(1) == y
 
@@ -448,10 +448,10 @@ def run_jointly(cfg, tasks, log=print):
 
 
 # =============================================================================
-# 4. Judging and tuning the reconstruction (App. E, Sec. 4.3)
+# 4. Judging and tuning the reconstruction (App. D.5, Sec. 4.3)
 # =============================================================================
 # How close are the reconstructions to the real old images? Reporting only:
-# training never sees these real images. App. E in three steps:
+# training never sees these real images. App. D.5 in three steps:
 #   1. standardise both sets (each image minus its set's mean image, over the
 #      set's spread) and match each real image to its nearest candidate by L2;
 #   2. add the training mean image back and stretch each image to [0, 1];
@@ -562,7 +562,7 @@ def report_reconstruction(name, old_tasks, x_rec, cfg, mean_image, log=print):
 # always the run's own values, so a search can only keep them or find
 # something its score rates higher.
 #
-# Where we depart from the paper's Table 9: its ranges (lr_x in [1e-5, 1], ...)
+# Where we depart from the paper's App. B.3: its ranges (lr_x in [1e-5, 1], ...)
 # were set for Eq. 3 on the weights, and our lr_x lies above them. Each draw is
 # therefore log-uniform within a factor of the run's own value, the same rule
 # for every objective and scenario (docs/reconstruction-quality.md chose them).
@@ -632,9 +632,8 @@ def reference_buffer(old_tasks, fraction, seed):
 # keeps the last finite candidates.)
 DEFAULT_LR_X = {"weights": 1.0, "displacement": 3.0}
 INVERSION_LR_X = {"cil": 0.003, "dil": 0.3}
-# Departure 5's weight: at lr_x 3, 1e-3 would move the candidates as fast as
-# inversion alone moves them at its 0.003. It cost ACC in DIL, where one label
-# stands for a class of every old task.
+# Departure 5's weight, chosen on validation (docs/departures.md). It is off in
+# DIL, where it cost ACC: there one label stands for a class of every old task.
 DEFAULT_CE_WEIGHT = {"cil": 3e-4, "dil": 0.0}
 # Departure 4: replayed reconstructions get fresh noise of 2.5 pixel stds.
 DEFAULT_REPLAY_NOISE = 2.5
@@ -655,7 +654,7 @@ TUNED_RECL = {
         "lwf": {"lr": 0.1, "epochs": 20},
         "gpm": {"lr": 0.1, "epochs": 20, "replay_noise": 0.0},
     },
-    "dil": {  # GPM keeps its own budget
+    "dil": {  # LwF and GPM keep their own lr and epochs
         "finetune": {"lr": 0.05, "epochs": 20},
         "ewc": {"lr": 0.05, "epochs": 20, "ewc_lambda": 100.0},
         "lwf": {"lwf_lambda": 0.5},
@@ -682,7 +681,7 @@ def run_settings(cfg, seed, use_recl):
     run.seed = seed
     if run.device == "auto":
         run.device = "cuda" if torch.cuda.is_available() else "cpu"
-    run.rec_precision = reconstruction_precision(run.rec_precision, torch.device(run.device))
+    run.rec_precision = cli.reconstruction_precision(run.rec_precision, torch.device(run.device))
     run.classes_per_task = run.classes_per_task or (20 if run.dataset == "tinyimagenet" else 2)
     run.m = run.m or run.n_per_class or 100
     if run.method == "joint":  # one model on all tasks at once: nothing to reconstruct
@@ -709,8 +708,9 @@ def run_settings(cfg, seed, use_recl):
 
 def describe(run, use_recl):
     """The header line of a run: what it is and the settings it resolved to."""
-    text = (f"{variant_name(run.method, use_recl, run.rec_objective)} | {run.scenario} | {run.dataset} | "
-            f"seed {run.seed} | {run.device} | lr {run.lr:g}, {run.epochs} epochs")
+    split = " (validation split)" if run.validation else ""
+    text = (f"{variant_name(run.method, use_recl, run.rec_objective)} | {run.scenario} | {run.dataset}{split} | "
+            f"{run.model} | seed {run.seed} | {run.device} | lr {run.lr:g}, {run.epochs} epochs")
     text += "".join(f", {k} {v:g}" for k, v in run.hp.items())
     if use_recl:
         departures = [name for name, on in (("freeze-old", run.freeze_old), ("filter", run.filter)) if on]
@@ -719,23 +719,6 @@ def describe(run, use_recl):
                  f"replay noise {run.replay_noise:g}, {' '.join(departures) or 'no freeze-old, no filter'}, "
                  f"{run.rec_precision}, tuning {run.tuning}")
     return text
-
-
-# The number format of the reconstruction's matrix products (`--rec-precision`).
-# Under torch.autocast the products and convolutions of Eq. 3's double backward
-# take bfloat16 inputs (summed in float32); the rest stays float32. The fit does
-# not notice, and on a CPU with bfloat16 instructions (AVX512-BF16 or AMX) a
-# step takes 1.6 to 2.4 times less (docs/cost.md). `auto` uses it only there:
-# other CPUs would emulate it, and on a GPU it is unmeasured. Training is
-# always float32.
-
-def reconstruction_precision(choice, device):
-    """'float32' or 'bfloat16' for `--rec-precision` choice ('auto' or either) on `device`."""
-    if choice != "auto":
-        return choice
-    capabilities = torch.cpu.get_capabilities() if device.type == "cpu" else {}
-    native = capabilities.get("avx512_bf16") or capabilities.get("amx_bf16")
-    return "bfloat16" if native else "float32"
 
 
 def dataset_name(dataset):
@@ -771,8 +754,7 @@ def main(argv=None):
     cli.check_args(cfg)
     log = (lambda *a: None) if cfg.quiet else (lambda *a: print(*a, flush=True))
     variants = {"both": [False, True], "base": [False], "recl": [True]}[cfg.variant]
-    if cfg.method == "joint":
-        variants = [False]
+    variants = [False] if cfg.method == "joint" else variants
     per_task = run_settings(cfg, cfg.seed, False).classes_per_task
     results, failed = {}, []
     for seed in range(cfg.seed, cfg.seed + cfg.seeds):
@@ -807,5 +789,3 @@ def main(argv=None):
 
 if __name__ == "__main__":
     cli.run_from_command_line(main, "recl.py")
-
-

@@ -28,7 +28,7 @@ from torch.func import functional_call, grad, vmap
 HYPERPARAMETERS = {
     "finetune": {},
     "ewc": {"ewc_lambda": 100.0},                          # Kirkpatrick et al. 2017
-    "er": {"er_fraction": 0.1},                            # buffer: 10% of each task (paper App. F.2)
+    "er": {"er_fraction": 0.1},                            # buffer: 10% of each task (paper App. D.2)
     "upgd": {"upgd_beta": 0.999, "upgd_sigma": 0.001,      # Elsayed & Mahmood 2024
              "upgd_weight_decay": 0.0},
     "agem": {"agem_patterns_per_task": 50, "agem_batch": 256},  # Chaudhry et al. 2019

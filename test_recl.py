@@ -274,13 +274,13 @@ def test_bfloat16_reconstruction_fits_like_float32(trained_on_eight_digits):
 
 def test_auto_precision_is_bfloat16_only_on_a_cpu_with_bfloat16_instructions(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert recl.reconstruction_precision("auto", cuda) == "float32"
+    assert cli.reconstruction_precision("auto", cuda) == "float32"
     for precision in ("float32", "bfloat16"):
-        assert recl.reconstruction_precision(precision, cpu) == recl.reconstruction_precision(precision, cuda) == precision
+        assert cli.reconstruction_precision(precision, cpu) == cli.reconstruction_precision(precision, cuda) == precision
     for capabilities, expected in (({"avx512_bf16": True}, "bfloat16"), ({"amx_bf16": True}, "bfloat16"),
                                    ({"avx512_bf16": False, "avx2": True}, "float32")):
         monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: capabilities)
-        assert recl.reconstruction_precision("auto", cpu) == expected
+        assert cli.reconstruction_precision("auto", cpu) == expected
 
 
 def test_inverted_candidates_are_classified_as_their_labels(trained_on_eight_digits):
@@ -617,7 +617,7 @@ def test_same_seed_gives_same_numbers():
 
 
 # =============================================================================
-# 6. Judging (App. E) and tuning (Sec. 4.3) the reconstruction
+# 6. Judging (App. D.5) and tuning (Sec. 4.3) the reconstruction
 # =============================================================================
 
 def test_ssim_identical_is_one_symmetric_and_lowered_by_noise():
@@ -1084,6 +1084,18 @@ def test_help_gives_every_flag_a_meaning_and_its_default():
                   f"{recl.DEFAULT_LR_X['weights']:g} for the weights", f"{recl.INVERSION_LR_X['cil']:g} (CIL)",
                   f"{recl.INVERSION_LR_X['dil']:g} (DIL)"]:
         assert shown in " ".join(text.split()), shown
+
+
+def test_each_run_header_names_the_settings_it_resolved_to():
+    cfg = cli.make_parser().parse_args(["--model", "cnn", "--validation", "--method", "ewc"])
+    header = recl.describe(recl.run_settings(cfg, 3, True), True)
+    recl_ewc = recl.TUNED_RECL["cil"]["ewc"]
+    for shown in ["ewc+recl | cil | mnist (validation split) | cnn | seed 3 |", f"lr {recl_ewc['lr']:g}, "
+                  f"{recl_ewc['epochs']} epochs, ewc_lambda {recl_ewc['ewc_lambda']:g}",
+                  f"replay noise {recl.DEFAULT_REPLAY_NOISE:g}", "stationarity on the displacement"]:
+        assert shown in header, shown
+    alone = recl.describe(recl.run_settings(cfg, 3, False), False)
+    assert f"lr {strategies.settings('ewc', 'cil')['lr']:g}," in alone and "stationarity" not in alone
 
 
 def test_method_hyperparameters_come_from_the_command_line(tmp_path):
