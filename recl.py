@@ -233,18 +233,19 @@ def reconstruct(model, labels, input_shape, cfg, log=print, earlier=None):
             terms["ce"] = cfg.ce_weight * inversion_losses(net, params, new_x, new_labels)["ce"]
         return terms
 
-    last_finite = new_x.detach().clone(), new_lam.detach().clone()
+    best_loss, best = math.inf, None
     for step in range(cfg.n_rec):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.rec_precision == "bfloat16"):
             terms = losses()
         loss = sum(terms.values())
         if step == 0:
             first_loss, first_terms = loss.item(), {k: v.item() for k, v in terms.items()}
-        if not torch.isfinite(loss):  # diverged: fall back to the last candidates with a finite loss
+        if not torch.isfinite(loss):  # diverged: fall back to the candidates with the lowest loss seen
             log(f"    reconstruction stopped at step {step}: the loss is not finite")
-            new_x, new_lam = last_finite
+            new_x, new_lam = best if best is not None else (new_x.detach(), new_lam.detach())
             break
-        last_finite = new_x.detach().clone(), new_lam.detach().clone()
+        if loss.item() < best_loss:  # on the way to blowing up, the last finite step can be huge
+            best_loss, best = loss.item(), (new_x.detach().clone(), new_lam.detach().clone())
         opt_x.zero_grad()
         opt_lam.zero_grad()
         loss.backward()
@@ -629,7 +630,7 @@ def reference_buffer(old_tasks, fraction, seed):
 # barely move them. The displacement target's relative L_rec takes 3, the
 # weights target 1; inversion's summed cross-entropy has far larger gradients
 # and takes its own, per scenario. (On tiny inputs 3 can diverge; the run then
-# keeps the last finite candidates.)
+# keeps the candidates with the lowest loss it saw.)
 DEFAULT_LR_X = {"weights": 1.0, "displacement": 3.0}
 INVERSION_LR_X = {"cil": 0.003, "dil": 0.3}
 # Departure 5's weight, chosen on validation (docs/departures.md). It is off in

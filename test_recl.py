@@ -308,6 +308,21 @@ def test_nonfinite_reconstruction_is_dropped_not_trained_on():
     assert any("not finite" in m for m in messages)
 
 
+def test_a_reconstruction_that_blows_up_gradually_keeps_its_best_candidates(monkeypatch):
+    """A loss that climbs for dozens of steps before it overflows leaves the last finite
+    candidates enormous, and training on them gives NaN (seen with the CNN at lr_x 3):
+    the fallback is the lowest loss seen. Here the loss is sum x^2 at too large a step,
+    so every step multiplies x and the lowest loss is the start."""
+    torch.manual_seed(0)
+    model = models.remember_start(models.MLP(16, 2, hidden=8))
+    monkeypatch.setattr(recl, "reconstruction_losses", lambda *args: {"rec": args[4].float().pow(2).sum()})
+    cfg = config(n_rec=500, lr_x=2.0, ce_weight=0.0)
+    start, _ = recl.initial_candidates(8, (16,), cfg.sigma_x, cfg.seed)
+    x, y, lam, report = recl.reconstruct(model, torch.tensor([0, 1] * 4), (16,), cfg, log=lambda *a: None)
+    assert 10 < report["steps"] < 500 and report["last_loss"] == float("inf")  # it climbed, then overflowed
+    torch.testing.assert_close(x, start)
+
+
 def test_earlier_reconstructions_stay_fixed_and_new_classes_start_from_noise():
     """--freeze-old: the classes reconstructed before keep those candidates and lambdas bit
     for bit, only the slots of the newest classes are optimised, from the usual noise start."""
@@ -600,7 +615,7 @@ def test_every_method_runs_with_and_without_recl(method, scenario):
 def test_recl_helps_finetune_remember_on_synthetic_cil():
     tasks = synthetic_tasks("cil", per_class=20)
     # lr_x 1: on these 16-pixel blobs the MNIST default of 3 diverges (the run then
-    # falls back to the last finite candidates, which are no use). Eq. 6 alone: on these
+    # falls back to its lowest-loss candidates, which are no use). Eq. 6 alone: on these
     # blobs departure 5's cross-entropy, chosen on MNIST, costs BWT (-8.75 -> -11.25; base -10)
     cfg = config(scenario="cil", epochs=10, lr=0.05, n_rec=100, m=20, lr_x=1.0, ce_weight=0.0)
     quiet = lambda *a: None
