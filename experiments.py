@@ -52,8 +52,7 @@ from recl import variant_name
 # counts as what the code did before it existed (ADDED_LATER).
 
 ADDED_LATER = {"rec_objective": "stationarity", "ce_weight": 0.0, "paper": False}
-NOT_SETTINGS = {"device", "out", "quiet", "seeds", "variant", "data_root", "aggregate", "pending", "queue",
-                "save_images", "tune"}
+NOT_SETTINGS = {"device", "out", "quiet", "seeds", "variant", "data_root", "save_images"}
 
 
 def settings_of(config):
@@ -298,8 +297,8 @@ def mean_accuracy_matrix(runs):
 
 
 def drawn(record):
-    """Runs the accuracy-matrix figure draws: finished, with the paper's (naive) ReCL
-    settings; the tuned-ReCL rows of a table have no panel of their own."""
+    """Runs the accuracy-matrix figure draws: finished, and (for +ReCL) reconstructed at
+    the run's own settings (naive tuning); the Sec. 4.3 tuned rows get no panel of their own."""
     return (bool(record.get("acc_matrix")) and not record.get("diverged")
             and record.get("config", {}).get("tuning", "naive") == "naive")
 
@@ -427,7 +426,7 @@ def trial_score(trial):
 
 
 def tuning_path(cfg):
-    name = variant_name(cfg.method, cfg.variant == "recl" and cfg.method != "joint", cfg.rec_objective)
+    name = variant_name(cfg.method, with_recl(cfg), cfg.rec_objective)
     return Path(cfg.out) / f"{recl.dataset_name(cfg.dataset)}-{cfg.scenario}-{name}-tuning-seed{cfg.seed}.json"
 
 

@@ -39,10 +39,9 @@ def he_init(model):
 
     Why not PyTorch's default: it draws each layer with a gain of about 1/sqrt(3)
     (kaiming_uniform with a = sqrt(5)), so the signal shrinks by that factor per
-    layer. Two hidden layers (the MLP) still learn; through the CNN's five layers
-    (with a first layer at scale 1e-4, as the MLP has), or AlexNet's eight, the
-    output starts near zero and plain SGD never leaves ln C (test_recl.py checks that each network fits
-    data)."""
+    layer. Through the CNN's five layers or AlexNet's eight the output then starts
+    near zero and plain SGD never leaves the loss ln C (test_recl.py checks that
+    each network fits data; docs/running.md, "Other models", has the story)."""
     for module in model.modules():
         if isinstance(module, (nn.Conv2d, nn.Linear)):
             nn.init.kaiming_normal_(module.weight, nonlinearity="relu")

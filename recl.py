@@ -233,7 +233,7 @@ def reconstruct(model, labels, input_shape, cfg, log=print, earlier=None):
             terms["ce"] = cfg.ce_weight * inversion_losses(net, params, new_x, new_labels)["ce"]
         return terms
 
-    best_loss, best = math.inf, None
+    best, diverged = None, False
     for step in range(cfg.n_rec):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.rec_precision == "bfloat16"):
             terms = losses()
@@ -242,10 +242,13 @@ def reconstruct(model, labels, input_shape, cfg, log=print, earlier=None):
             first_loss, first_terms = loss.item(), {k: v.item() for k, v in terms.items()}
         if not torch.isfinite(loss):  # diverged: fall back to the candidates with the lowest loss seen
             log(f"    reconstruction stopped at step {step}: the loss is not finite")
-            new_x, new_lam = best if best is not None else (new_x.detach(), new_lam.detach())
+            diverged = True
+            if best is not None:
+                new_x, new_lam, loss, terms = best
             break
-        if loss.item() < best_loss:  # on the way to blowing up, the last finite step can be huge
-            best_loss, best = loss.item(), (new_x.detach().clone(), new_lam.detach().clone())
+        if best is None or loss.item() < best[2].item():  # blowing up, the last finite step can be huge
+            best = (new_x.detach().clone(), new_lam.detach().clone(), loss.detach(),
+                    {k: v.detach() for k, v in terms.items()})
         opt_x.zero_grad()
         opt_lam.zero_grad()
         loss.backward()
@@ -256,8 +259,9 @@ def reconstruct(model, labels, input_shape, cfg, log=print, earlier=None):
 
     x[~fixed], lam[~fixed] = new_x.detach(), new_lam.detach()
     finite = torch.isfinite(x.flatten(1)).all(1)  # never hand NaNs to training
+    # the losses of the candidates returned (after a divergence, those of the fallback)
     report = {"candidates": m, "optimised": int((~fixed).sum()), "finite": int(finite.sum()), "steps": step + 1,
-              "first_loss": first_loss, "last_loss": loss.item(),
+              "diverged": diverged, "first_loss": first_loss, "last_loss": loss.item(),
               "first_terms": first_terms, "last_terms": {k: v.item() for k, v in terms.items()}}
     return x[finite], labels[finite], lam[finite], report
 
@@ -337,10 +341,10 @@ def train_task(model, x, y, hooks, state, cfg, n_replayed=0):
                 raise Diverged(f"training loss {value} in epoch {epoch + 1}")
             total += value * len(xb)
     # Batch norm (ResNet18) evaluates with running statistics, which start at mean 0,
-    # variance 1 and move 10% per step: a task's few dozen steps leave a fixed share of
-    # that start in them (on SplitMNIST the stem's variance is 0.014, the running one
-    # 0.12, and a net that fits its task scores chance). So re-estimate them on the
-    # task's data with the final weights. Networks without batch norm skip this.
+    # variance 1 and move 10% per step: a task's few dozen steps leave much of that
+    # start in them, and a net that fits its task can score chance. So re-estimate
+    # them on the task's data with the final weights (docs/running.md, "Other models").
+    # Networks without batch norm skip this.
     torch.optim.swa_utils.update_bn(((x[rows],) for rows, _ in batches), model)
     return total / len(x)  # mean loss of the last epoch
 
@@ -602,7 +606,7 @@ def search_reconstruction(model, labels, input_shape, cfg, score, seed, log=prin
     def evaluate(hp):
         x, y, lam, report = reconstruct(model, labels, input_shape, argparse.Namespace(**{**vars(cfg), **hp}),
                                         log, earlier)
-        value = score(x, report) if math.isfinite(report["last_loss"]) and len(x) else -math.inf
+        value = -math.inf if report["diverged"] or not len(x) else score(x, report)  # a diverging draw loses
         log(f"    trial {candidates.index(hp) + 1}/{cfg.trials}: " + " ".join(f"{k} {v:.3g}" for k, v in hp.items())
             + f" -> score {value:.4g}")
         return value, None, (x, y, lam, {**report, "hyperparameters": hp, "score": value})

@@ -1,4 +1,6 @@
-"""Tests: the math of reconstruction, metrics and strategies, and the CLI's behaviour.
+"""Tests, in recl.py's reading order: the math and behaviour of reconstruction, the
+metrics, the strategies, the loop, App. E / Sec. 4.3, then data and models, the
+command line and the experiment machinery.
 
 Run with `python -m pytest -q`. Everything runs on tiny problems on the CPU.
 """
@@ -257,7 +259,7 @@ def test_displacement_is_a_gradient_combination_and_the_weights_are_not(trained_
 
 def test_bfloat16_reconstruction_fits_like_float32(trained_on_eight_digits):
     """--rec-precision bfloat16 runs the step's products in bfloat16 (the candidates
-    differ from float32's) and fits the displacement as well (recl.py, part 5)."""
+    differ from float32's) and fits the displacement as well (cli.reconstruction_precision)."""
     model, x = trained_on_eight_digits
     labels_rec = recl.candidate_labels(2, 8, 1, "cil")
     found, unexplained = {}, {}
@@ -319,8 +321,10 @@ def test_a_reconstruction_that_blows_up_gradually_keeps_its_best_candidates(monk
     cfg = config(n_rec=500, lr_x=2.0, ce_weight=0.0)
     start, _ = recl.initial_candidates(8, (16,), cfg.sigma_x, cfg.seed)
     x, y, lam, report = recl.reconstruct(model, torch.tensor([0, 1] * 4), (16,), cfg, log=lambda *a: None)
-    assert 10 < report["steps"] < 500 and report["last_loss"] == float("inf")  # it climbed, then overflowed
+    assert 10 < report["steps"] < 500 and report["diverged"]  # it climbed, then overflowed
     torch.testing.assert_close(x, start)
+    # the report describes the candidates returned: the start's loss, not the overflow
+    assert report["last_loss"] == report["first_loss"] == report["last_terms"]["rec"]
 
 
 def test_earlier_reconstructions_stay_fixed_and_new_classes_start_from_noise():
@@ -698,7 +702,7 @@ def test_the_search_keeps_the_defaults_unless_a_draw_scores_higher(monkeypatch):
 
     def fake_reconstruct(model, labels, shape, cfg, log, earlier):  # the search, not the reconstruction
         tried.append(cfg.lr_x)
-        return torch.zeros(len(labels), *shape), labels, torch.ones(len(labels)), {"last_loss": 1.0, "lr_x": cfg.lr_x}
+        return torch.zeros(len(labels), *shape), labels, torch.ones(len(labels)), {"diverged": False, "lr_x": cfg.lr_x}
 
     monkeypatch.setattr(recl, "reconstruct", fake_reconstruct)
     cfg, labels, quiet = config(trials=6), torch.tensor([0, 1]), lambda *a: None
