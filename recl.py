@@ -233,7 +233,7 @@ def reconstruct(model, labels, input_shape, cfg, log=print, earlier=None):
             terms["ce"] = cfg.ce_weight * inversion_losses(net, params, new_x, new_labels)["ce"]
         return terms
 
-    best, diverged = None, False
+    best_loss, best, diverged = math.inf, None, False
     for step in range(cfg.n_rec):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.rec_precision == "bfloat16"):
             terms = losses()
@@ -246,9 +246,9 @@ def reconstruct(model, labels, input_shape, cfg, log=print, earlier=None):
             if best is not None:
                 new_x, new_lam, loss, terms = best
             break
-        if best is None or loss.item() < best[2].item():  # blowing up, the last finite step can be huge
-            best = (new_x.detach().clone(), new_lam.detach().clone(), loss.detach(),
-                    {k: v.detach() for k, v in terms.items()})
+        if loss.item() < best_loss:  # on the way to blowing up, the last finite step can be huge
+            best_loss, best = loss.item(), (new_x.detach().clone(), new_lam.detach().clone(), loss.detach(),
+                                            {k: v.detach() for k, v in terms.items()})
         opt_x.zero_grad()
         opt_lam.zero_grad()
         loss.backward()
