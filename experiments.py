@@ -52,7 +52,8 @@ from recl import variant_name
 # counts as what the code did before it existed (ADDED_LATER).
 
 ADDED_LATER = {"rec_objective": "stationarity", "ce_weight": 0.0, "paper": False}
-NOT_SETTINGS = {"device", "out", "quiet", "seeds", "variant", "data_root", "save_images"}
+NOT_SETTINGS = {"device", "out", "quiet", "seeds", "variant", "data_root", "save_images",
+                "aggregate", "pending", "queue", "tune"}  # the last four: old recl.py flags in stored configs
 
 
 def settings_of(config):

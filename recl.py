@@ -246,20 +246,21 @@ def reconstruct(model, labels, input_shape, cfg, log=print, earlier=None):
             if best is not None:
                 new_x, new_lam, loss, terms = best
             break
-        if loss.item() < best_loss:  # on the way to blowing up, the last finite step can be huge
-            best_loss, best = loss.item(), (new_x.detach().clone(), new_lam.detach().clone(), loss.detach(),
-                                            {k: v.detach() for k, v in terms.items()})
+        value = loss.item()
+        if value < best_loss:  # on the way to blowing up, the last finite step can be huge
+            best_loss, best = value, (new_x.detach().clone(), new_lam.detach().clone(), loss.detach(),
+                                      {k: v.detach() for k, v in terms.items()})
         opt_x.zero_grad()
         opt_lam.zero_grad()
         loss.backward()
         opt_x.step()
         opt_lam.step()
         if (step + 1) % max(1, cfg.n_rec // 4) == 0 and step + 1 < cfg.n_rec:  # progress at each quarter
-            log(f"    step {step + 1}/{cfg.n_rec}: loss {loss.item():.4g}")
+            log(f"    step {step + 1}/{cfg.n_rec}: loss {value:.4g}")
 
     x[~fixed], lam[~fixed] = new_x.detach(), new_lam.detach()
     finite = torch.isfinite(x.flatten(1)).all(1)  # never hand NaNs to training
-    # the losses of the candidates returned (after a divergence, those of the fallback)
+    # the losses of the last step evaluated (after a divergence, the fallback's: the candidates returned)
     report = {"candidates": m, "optimised": int((~fixed).sum()), "finite": int(finite.sum()), "steps": step + 1,
               "diverged": diverged, "first_loss": first_loss, "last_loss": loss.item(),
               "first_terms": first_terms, "last_terms": {k: v.item() for k, v in terms.items()}}
