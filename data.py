@@ -34,7 +34,7 @@ class Task(NamedTuple):
     y_test: torch.Tensor
 
 
-_PARSED = {}  # sha256 of a CSV file -> its images and labels: parsing takes about 1 s
+_PARSED = {}  # sha256 of a CSV file -> its images and labels: parsed once per process
 
 
 def load_mnist_subset(path=MNIST_SUBSET):
@@ -329,7 +329,7 @@ def make_tasks(dataset, seed, n_per_class=100, scenario="cil", classes_per_task=
     the shipped MNIST subset, on its held-out images). Pixels are scaled to
     [0, 1] and the training mean image is subtracted, so values lie in [-1, 1],
     the range the reconstruction prior (Eq. 5) assumes. Classes that do not fill
-    a whole task are left out.
+    a whole task are left out: the fourth value names them.
     """
     x_train, y_train, x_test, y_test = load(dataset, data_root)
     generator = torch.Generator().manual_seed(seed)
@@ -351,7 +351,7 @@ def make_tasks(dataset, seed, n_per_class=100, scenario="cil", classes_per_task=
     mean_image = x_train.mean(0)
     tasks = split_into_tasks(x_train - mean_image, y_train, x_test - mean_image, y_test,
                              class_order, classes_per_task, scenario)
-    return tasks, class_order, mean_image
+    return tasks, class_order, mean_image, sorted(set(classes.tolist()) - set(class_order))
 
 
 def validation_split(tasks, fraction=0.2, seed=0):

@@ -1,22 +1,23 @@
 """What produces this project's tables, beside the method in recl.py.
 
-    python experiments.py aggregate DIR     the table of the runs in DIR (mean (std) over
-                                            seeds), DIR/chart-DATASET.svg, and the accuracy
-                                            matrix of each method, DIR/matrix-*.svg
+    python experiments.py aggregate DIR     the tables of the runs in DIR, one row per config
+                                            (mean (std) over seeds), DIR/chart-DATASET.svg,
+                                            and each method's accuracy matrix, DIR/matrix-*.svg
     python experiments.py tune RECL-FLAGS   choose a method's lr, epochs and own settings on
                                             validation data (paper App. D.3), e.g.
                                             python experiments.py tune --method ewc --scenario cil
     python experiments.py benchmark         what ReCL costs: one reconstruction step, and a
                                             whole run against its base method
     python experiments.py pending           (for run_all.sh) which command lines on stdin
-                                            have no current result
+                                            have no result yet
     python experiments.py queue DIR         (for run_all.sh) a worker that runs the command
                                             lines in DIR/commands that no other worker took
 
-Nothing here changes what a run computes: every run is `recl.main`, or for
-`tune` `recl.run_continual` on a validation split.
+Each takes -h. Nothing here changes what a run computes: every run is `recl.main`,
+or for `tune` `recl.run_continual` on a validation split.
 """
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -31,40 +32,23 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+import config
 import data
+import judging
 import models
 import recl
 import strategies
-import cli
-from cli import METHODS, RunFailed, UsageError, write_atomically, write_json_atomically
-from recl import variant_name
+from config import METHODS, RunFailed, UsageError, variant_name, write_atomically, write_json_atomically
 
 # =============================================================================
-# 1. For run_all.sh: is a finished run still what would run now? And workers that run the rest
+# 1. For run_all.sh: which runs have no result yet, and workers that run them
 # =============================================================================
-# A result counts only if its recorded config equals what the same command would
-# use today, so a change of a default (or of strategies.TUNED) reruns the runs it
-# affects instead of mixing old and new settings in one table. Flags that do not
-# change the numbers are left out of the comparison; so is the machine (CPU and
-# GPU give the same results up to seed noise, and the JSON's "provenance" says
-# which made it). A change of code without a change of settings is not detected:
-# the provenance's commit records it. A setting added after a run was made
-# counts as what the code did before it existed (ADDED_LATER).
-
-ADDED_LATER = {"rec_objective": "stationarity", "ce_weight": 0.0, "paper": False}
-NOT_SETTINGS = {"device", "out", "quiet", "seeds", "variant", "data_root", "save_images",
-                "aggregate", "pending", "queue", "tune"}  # the last four: old recl.py flags in stored configs
-
-
-def settings_of(config):
-    """The part of a run's config that decides its numbers, JSON-normalised."""
-    return json.loads(json.dumps({k: v for k, v in config.items() if k not in NOT_SETTINGS}))
-
-
-def differences(old, new):
-    keys = sorted(set(old) | set(new), key=str)
-    return ", ".join(f"{k} {old.get(k, 'unset')} -> {new.get(k, 'unset')}" for k in keys if old.get(k) != new.get(k))
-
+# A run's result file is named by its config's digest (config.result_path), so
+# a command has its result when the files its runs would write exist. After a
+# default changes, the same command resolves to another config, another file
+# name, and runs again; the old files stay, in rows of their own. A change of
+# code that leaves every setting as it was is not detected: the provenance's
+# commit records it.
 
 def command_args(line):
     """('run', ARGS) for `... recl.py ARGS`, ('tune', ARGS) for `... experiments.py tune ARGS`,
@@ -78,38 +62,44 @@ def command_args(line):
     return None
 
 
-def pending_runs(lines, report=print):
-    """The command lines (each one run, or one search) whose result is missing or stale."""
-    todo = []
+def result_paths(args):
+    """The files the runs of a checked recl.py command line write."""
+    return [config.result_path(args.out, config.resolve(args, seed, variant))
+            for seed in range(args.seed, args.seed + (args.seeds or 1)) for variant in config.variants(args)]
+
+
+def pending_runs(lines, say=lambda message: print(message, file=sys.stderr)):
+    """The command lines (each one run, or one search) whose result is missing, less those
+    of datasets that cannot be loaded. A line for the method alone loses the +ReCL flags
+    that run_all.sh passes to every run, which the method alone would refuse."""
+    todo, loadable = [], {}
     for line in lines:
         command = command_args(line)
         if command is None:
             continue
-        kind, args = command
+        kind, argv = command
+        if kind == "run" and ("--method" in argv and argv[argv.index("--method") + 1:][:1] == ["joint"]
+                              or "--variant" in argv and argv[argv.index("--variant") + 1:][:1] == ["base"]):
+            kept = config.without_recl_flags(argv)
+            words = shlex.split(line)
+            line, argv = shlex.join(words[:len(words) - len(argv)] + kept), kept
         try:
-            cfg = cli.make_parser().parse_args(args)
-            cli.check_args(cfg)
+            args = config.make_parser().parse_args(argv)
+            config.check(args, probe_out=False)
         except UsageError:  # let the run itself say what is wrong
             todo.append(line)
             continue
-        if kind == "tune":
-            if not tuning_path(cfg).exists():
-                todo.append(line)
+        if args.dataset not in loadable:  # each dataset once: a dataset that cannot load skips its runs
+            try:
+                data.load(args.dataset, args.data_root)
+                loadable[args.dataset] = True
+            except data.DataError as err:
+                loadable[args.dataset] = False
+                say(f"skipping {args.dataset}: {err}")
+        if not loadable[args.dataset]:
             continue
-        use_recl = with_recl(cfg)
-        path = recl.result_path(cfg.out, cfg, cfg.method, use_recl, cfg.seed)
-        if not path.exists():
-            todo.append(line)
-            continue
-        try:
-            recorded = settings_of(json.loads(path.read_text()).get("config", {}))
-        except (OSError, ValueError):
-            recorded = {}
-        wanted = settings_of(vars(recl.run_settings(cfg, cfg.seed, use_recl)))
-        if recorded:  # a setting added after the run was made: the run had what the code did before
-            recorded = {**ADDED_LATER, **recorded}
-        if recorded != wanted:
-            report(f"stale: {path} ({differences(recorded, wanted) or 'no settings recorded'})")
+        paths = [tuning_path(args)] if kind == "tune" else result_paths(args)
+        if not all(path.exists() for path in paths):
             todo.append(line)
     return todo
 
@@ -118,13 +108,13 @@ def work_through_queue(folder):
     """queue: run the command lines in FOLDER/commands in this process, each one that no
     other worker on FOLDER has claimed.
 
-    Why: starting a process costs about 4 s here (importing torch and
-    torch._dynamo, then parsing the MNIST CSV), as long as a whole Finetune run.
-    run_all.sh therefore starts JOBS workers on one list instead of one process
-    per run. A worker claims run i by creating FOLDER/claimed-i, which succeeds
-    for one process only, so runs are handed out one at a time and the workers
-    finish together. Every run seeds itself, so it gives what it would give
-    alone; a run that fails says so in one line and the rest still run.
+    Why: starting a process costs seconds here (importing torch, then parsing the
+    MNIST CSV), as long as a whole Finetune run. run_all.sh therefore starts JOBS
+    workers on one list instead of one process per run. A worker claims run i by
+    creating FOLDER/claimed-i, which succeeds for one process only, so runs are
+    handed out one at a time and the workers finish together. Every run seeds
+    itself, so it gives what it would give alone. A run that fails, for whatever
+    reason, is named in one line and the others still run.
     """
     if not (Path(folder) / "commands").is_file():
         raise UsageError(f"queue {folder}: there is no file {Path(folder) / 'commands'}")
@@ -138,52 +128,55 @@ def work_through_queue(folder):
             os.close(os.open(Path(folder) / f"claimed-{number}", os.O_CREAT | os.O_EXCL))
         except FileExistsError:
             continue  # another worker has it
-        kind, args = command
+        kind, argv = command
         try:
-            recl.main(args) if kind == "run" else tune(args)
-        except (UsageError, RunFailed, data.DataError) as err:
-            print(f"experiments.py: error: {err} ({line})", file=sys.stderr, flush=True)
+            recl.main(argv) if kind == "run" else tune(argv)
+        except Exception as err:  # noqa: BLE001 -- one bad run must not stop the others
+            print(f"run_all: FAILED: {line}: {type(err).__name__}: {err}".replace("\n", " "), file=sys.stderr, flush=True)
             failed.append(line)
+        except SystemExit as err:  # argparse's -h and its like
+            if err.code:
+                print(f"run_all: FAILED: {line}: exit {err.code}", file=sys.stderr, flush=True)
+                failed.append(line)
     if failed:
         raise RunFailed(f"{len(failed)} queued run(s) failed, each named above")
 
 
 # =============================================================================
-# 2. Tables and a chart from the results files
+# 2. Tables and charts from the results files
 # =============================================================================
+
+RUN_KEYS = ("method", "variant", "scenario", "dataset", "seed", "ACC", "BWT", "acc_matrix", "config", "digest")
+
+
+def read_results(folder, say=print):
+    """The run records and the tuning searches in `folder`'s JSON files; every other
+    file (a benchmark, a record from before config digests, anything malformed) is
+    named in one line and skipped."""
+    runs, searches = [], []
+    for path in sorted(Path(folder).glob("*.json")):  # temporary files start with "." and are skipped
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            say(f"skipping {path}: unreadable ({err})")
+            continue
+        if isinstance(record, dict) and "trials" in record and "config" in record:
+            searches.append(record)
+        elif isinstance(record, dict) and all(k in record for k in RUN_KEYS):
+            runs.append(record)
+        else:
+            missing = [k for k in RUN_KEYS if k not in record] if isinstance(record, dict) else ["a JSON object"]
+            say(f"skipping {path}: not a run record (no {', '.join(missing[:3])})")
+    return runs, searches
+
 
 def mean_std(values):
     return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
 def run_name(record):
-    tuning = record.get("config", {}).get("tuning", "naive")
-    objective = record.get("config", {}).get("rec_objective", "stationarity")
-    name = variant_name(record["method"], record["recl"], objective)
-    return name + ("" if tuning == "naive" or not record["recl"] else f" ({tuning})")
-
-
-def summary_table(records):
-    """Markdown: one row per method variant, mean(std) over seeds as in the paper's tables,
-    with the reconstructions' mean nearest-pair SSIM and seconds for the variants that make
-    them. Diverged runs are listed under the table and never averaged."""
-    rows = ["| method | seeds | ACC | BWT | SSIM | reconstruction s | seconds |", "|---|---|---|---|---|---|---|"]
-    finished = [r for r in records if not r.get("diverged")]
-
-    def cell(values, digits=2):
-        return "" if not values or None in values else "{:.{d}f} ({:.{d}f})".format(*mean_std(values), d=digits)
-
-    for name in dict.fromkeys(run_name(r) for r in finished):
-        runs = [r for r in finished if run_name(r) == name]
-        ssim_ = [statistics.mean(q["mean_ssim"] for q in r["recon_quality"]) for r in runs if r.get("recon_quality")]
-        rec_s = [r["phase_seconds"]["reconstruct"] for r in runs if r["recl"] and "phase_seconds" in r]
-        seconds = statistics.mean(r["seconds"] for r in runs)
-        rows.append(f"| {name} | {len(runs)} | {cell([r['ACC'] for r in runs])} | "
-                    f"{cell([r['BWT'] for r in runs]) or 'n/a'} | {cell(ssim_, 3)} | {cell(rec_s, 1)} | "
-                    f"{seconds:.1f} |")
-    rows += [f"\nDiverged, not averaged: {run_name(r)} seed {r['seed']} ({r['diverged']})"
-             for r in records if r.get("diverged")]
-    return "\n".join(rows)
+    tuning = record["config"].get("tuning") or "naive"
+    return variant_name(record["method"], record["variant"]) + ("" if tuning == "naive" else f" ({tuning})")
 
 
 def method_rank(method):
@@ -191,16 +184,54 @@ def method_rank(method):
     return METHODS.index(method) if method in METHODS else len(METHODS)
 
 
-def with_recl(cfg):
-    """Whether a one-variant command line (a `tune`, or a queued run) means the +ReCL
-    variant: --variant recl, and never for joint, which has nothing to reconstruct."""
-    return cfg.variant == "recl" and cfg.method != "joint"
+def differences(old, new):
+    keys = sorted(set(old) | set(new), key=str)
+    return ", ".join(f"{k} {new.get(k)}" for k in keys if k not in config.NOT_IN_DIGEST and old.get(k) != new.get(k))
+
+
+def summary_table(records):
+    """Markdown: one row per config (mean (std) over its seeds, as in the paper's tables),
+    with the reconstructions' mean nearest-pair SSIM, their seconds, and how many of them
+    were flagged. Configs that share a name are told apart by their digest, and the lines
+    under the table say how each differs from the first; diverged runs are listed there
+    and never averaged."""
+    rows = ["| method | seeds | ACC | BWT | SSIM | reconstruction s | seconds | flagged rec. |",
+            "|---|---|---|---|---|---|---|---|"]
+    finished = [r for r in records if not r.get("diverged")]
+    groups = {}
+    for r in finished:
+        groups.setdefault((run_name(r), r["digest"]), []).append(r)
+    names = [name for name, _ in groups]
+    notes, first_of = [], {}
+
+    def cell(values, digits=2):
+        return "" if not values or None in values else "{:.{d}f} ({:.{d}f})".format(*mean_std(values), d=digits)
+
+    for (name, key), runs in groups.items():
+        label = name if names.count(name) == 1 else f"{name} [{key}]"
+        if names.count(name) > 1:
+            if name in first_of:
+                notes.append(f"[{key}] differs from [{first_of[name][0]}] in: "
+                             f"{differences(first_of[name][1], runs[0]['config'])}")
+            else:
+                first_of[name] = (key, runs[0]["config"])
+        ssim_ = [statistics.mean(q["mean_ssim"] for q in r["recon_quality"]) for r in runs if r.get("recon_quality")]
+        rec_s = [r["phase_seconds"]["reconstruct"] for r in runs if r["recl"]]
+        made = sum(len(r["reconstructions"]) for r in runs)
+        flagged = f"{sum(r['failed_reconstructions'] for r in runs)}/{made}" if made else ""
+        rows.append(f"| {label} | {len(runs)} | {cell([r['ACC'] for r in runs])} | "
+                    f"{cell([r['BWT'] for r in runs]) or 'n/a'} | {cell(ssim_, 3)} | {cell(rec_s, 1)} | "
+                    f"{statistics.mean(r['seconds'] for r in runs):.1f} | {flagged} |")
+    rows += [f"\n{note}" for note in notes]
+    rows += [f"\nDiverged, not averaged: {run_name(r)} seed {r['seed']} ({r['diverged']})"
+             for r in records if r.get("diverged")]
+    return "\n".join(rows)
 
 
 def tuning_table(searches):
-    """Markdown: the setting each validation search chose, ready for strategies.TUNED."""
+    """Markdown: the setting each validation search chose, ready for config.PRESETS."""
     rows = ["| dataset | scenario | method | chosen (validation) | val ACC | trials |", "|---|---|---|---|---|---|"]
-    for r in sorted(searches, key=lambda r: (r["dataset"], r["scenario"], method_rank(r["method"]))):
+    for r in sorted(searches, key=lambda r: (r["dataset"], r["scenario"], method_rank(r["method"].split("+")[0]))):
         best = max(r["trials"], key=trial_score)
         chosen = ", ".join(f"{k} {v:g}" for k, v in best["settings"].items())
         score = "all diverged" if best["val_ACC"] is None else f"{best['val_ACC']:.2f}"
@@ -208,19 +239,21 @@ def tuning_table(searches):
     return "\n".join(rows)
 
 
-def mixed_settings(records):
-    """Warnings for table rows whose seeds were run with different settings."""
-    warnings, groups = [], {}
-    for r in records:
-        if "config" in r:
-            groups.setdefault((r["dataset"], r["scenario"], run_name(r)), []).append(r)
-    for (dataset, scenario, name), runs in groups.items():
-        seen = [settings_of({k: v for k, v in r["config"].items() if k != "seed"}) for r in runs]
-        if any(s != seen[0] for s in seen):
-            other = next(s for s in seen if s != seen[0])
-            warnings.append(f"warning: {dataset} {scenario} {name} mixes runs made with different settings "
-                            f"({differences(seen[0], other)}); rerun them with run_all.sh")
-    return warnings
+def drawn(records, say=print):
+    """The runs the charts draw: finished, on the test set, at naive tuning, and for each
+    method variant the config with the most seeds (the others are named, not drawn)."""
+    chosen = [r for r in records if not r.get("diverged") and not r["config"].get("validation")
+              and (r["config"].get("tuning") or "naive") == "naive"]
+    groups = {}
+    for r in chosen:
+        groups.setdefault((r["dataset"], r["scenario"], run_name(r)), {}).setdefault(r["digest"], []).append(r)
+    kept = []
+    for (dataset, scenario, name), by_digest in groups.items():
+        runs = max(by_digest.values(), key=len)
+        kept += runs
+        if len(by_digest) > 1:
+            say(f"charts: {dataset} {scenario} {name} has {len(by_digest)} configs; drawn: [{runs[0]['digest']}]")
+    return kept
 
 
 PAPER_ACC = {
@@ -239,8 +272,7 @@ def chart_svg(records, dataset):
     and with the inversion control (orange), one panel per scenario, whiskers of one std,
     and the paper's value as a black tick."""
     from xml.sax.saxutils import escape
-    finished = [r for r in records if not r.get("diverged") and r["dataset"] == dataset
-                and r.get("config", {}).get("tuning", "naive") == "naive"]
+    finished = [r for r in records if r["dataset"] == dataset]  # drawn() chose them
     scenarios = [s for s in ("cil", "dil") if any(r["scenario"] == s for r in finished)]
     panel_w, top, plot_h, bar_w = 430, 70, 240, 14
     y = lambda acc: top + plot_h * (1 - acc / 100)
@@ -297,21 +329,13 @@ def mean_accuracy_matrix(runs):
              for i in range(len(rows[0][t]))] for t in range(len(rows[0]))]
 
 
-def drawn(record):
-    """Runs the accuracy-matrix figure draws: finished, and (for +ReCL) reconstructed at
-    the run's own settings (naive tuning); the Sec. 4.3 tuned rows get no panel of their own."""
-    return (bool(record.get("acc_matrix")) and not record.get("diverged")
-            and record.get("config", {}).get("tuning", "naive") == "naive")
-
-
 def matrix_svg(records, dataset, scenario, method):
     """The accuracy matrix as lines, the figure continual-learning papers draw: one line per
     task i, its test accuracy after each task t >= i (mean over seeds), so forgetting shows
     as a line falling. One panel for the method alone, one with ReCL, and one with the
     inversion control when it was run."""
     from xml.sax.saxutils import escape
-    chosen = [r for r in records if (r["dataset"], r["scenario"], r["method"]) == (dataset, scenario, method)
-              and drawn(r)]
+    chosen = [r for r in records if (r["dataset"], r["scenario"], r["method"]) == (dataset, scenario, method)]
     panels = [(label, [r for r in chosen if run_name(r) == method + suffix])
               for suffix, _, label in CHART_VARIANTS]
     panels = [(label, runs) for label, runs in panels if runs]
@@ -346,70 +370,32 @@ def matrix_svg(records, dataset, scenario, method):
     return "\n".join(parts) + "\n"
 
 
-def aggregate(folder):
-    """One table per (dataset, scenario) from every finished run's JSON in `folder`,
-    and a chart per dataset, DIR/chart-DATASET.svg."""
-    records = []
-    for path in sorted(Path(folder).glob("*.json")):  # temporary files start with "." and are skipped
-        try:
-            records.append(json.loads(path.read_text()))
-        except (OSError, ValueError) as err:
-            print(f"skipping unreadable {path}: {err}", file=sys.stderr)
-    if not records:
-        raise UsageError(f"no finished runs (*.json) in {folder}")
-    searches = [r for r in records if "trials" in r]  # `tune` results
-    if searches:
-        return tuning_table(searches)
-    for warning in mixed_settings(records):
-        print(warning, file=sys.stderr)
-    records.sort(key=lambda r: (method_rank(r["method"]), r["recl"],
-                                r.get("config", {}).get("rec_objective") == "inversion", r["seed"]))
-    tables = []
-    for dataset, scenario in sorted({(r["dataset"], r["scenario"]) for r in records}):
-        chosen = [r for r in records if (r["dataset"], r["scenario"]) == (dataset, scenario)]
-        tables.append(f"### {dataset}, {scenario.upper()}\n\n{summary_table(chosen)}\n")
-    for dataset in sorted({r["dataset"] for r in records}):
-        path = Path(folder) / f"chart-{dataset}.svg"
-        write_atomically(path, chart_svg(records, dataset))
-        print(f"chart: {path}", file=sys.stderr)
-    for dataset, scenario, method in sorted({(r["dataset"], r["scenario"], r["method"]) for r in records
-                                             if drawn(r) and r["method"] != "joint"}):
-        path = Path(folder) / f"matrix-{dataset}-{scenario}-{method}.svg"
-        write_atomically(path, matrix_svg(records, dataset, scenario, method))
-    print(f"accuracy matrices: {folder}/matrix-DATASET-SCENARIO-METHOD.svg", file=sys.stderr)
-    return "\n".join(tables)
-
 
 # =============================================================================
 # 3. Choosing a method's hyperparameters (paper App. D.3: on validation data)
 # =============================================================================
 
-def tune_method(cfg, log=print):
+def tune_method(cfg, trials, log=print):
     """Choose lr, epochs and the method's own hyperparameters on validation data.
 
-    Random search over strategies.TRAINING_GRID and SEARCH_GRID (cfg.trials
-    draws without repetition, seeded; recl.random_search), each draw scored by
-    the ACC of the method (with ReCL if cfg.variant is "recl") on a split held
+    Random search over strategies.TRAINING_GRID and SEARCH_GRID (`trials` draws
+    without repetition, seeded; recl.random_search), each draw scored by the ACC
+    of the run `cfg` describes (with ReCL if its variant says so) on a split held
     out from the training images of seed cfg.seed. The test images are never
     loaded into the tasks this sees. Returns every trial, best first.
     """
-    use_recl = with_recl(cfg)
-    base = recl.run_settings(cfg, cfg.seed, use_recl)
-    tasks, _, mean_image = data.make_tasks(cfg.dataset, cfg.seed, cfg.n_per_class, cfg.scenario,
-                                           base.classes_per_task, cfg.data_root)
-    tasks = data.validation_split(tasks, 0.2, cfg.seed)
-    grid = {**strategies.TRAINING_GRID, **strategies.SEARCH_GRID[cfg.method]}
+    tasks, _, mean_image, _ = recl.make_tasks(cfg)
+    grid = {**strategies.TRAINING_GRID, **strategies.SEARCH_GRID.get(cfg.method, {})}
     combos = list(itertools.product(*grid.values()))
-    picks = torch.randperm(len(combos), generator=torch.Generator().manual_seed(cfg.seed))[:cfg.trials]
+    picks = torch.randperm(len(combos), generator=torch.Generator().manual_seed(cfg.seed))[:trials]
     candidates = [dict(zip(grid, combos[pick])) for pick in picks.tolist()]
-    log(f"tuning {variant_name(cfg.method, use_recl, cfg.rec_objective)} | {cfg.scenario} | {cfg.dataset} | "
+    log(f"tuning {variant_name(cfg.method, cfg.variant)} | {cfg.scenario} | {cfg.dataset} | "
         f"seed {cfg.seed}: {len(picks)} of {len(combos)} settings, scored on validation data")
 
     def evaluate(chosen):
         own = {k: v for k, v in chosen.items() if k not in strategies.TRAINING_GRID}
-        run = argparse.Namespace(**{**vars(base), "lr": chosen["lr"], "epochs": chosen["epochs"],
-                                    "hp": {**base.hp, **own}})
-        record = recl.timed_run(run, tasks, cfg.method, use_recl, lambda *a: None, mean_image)
+        run = dataclasses.replace(cfg, lr=chosen["lr"], epochs=chosen["epochs"], hp={**cfg.hp, **own})
+        record = recl.run_continual(run, tasks, lambda *a: None, mean_image=mean_image)
         outcome = (f"diverged ({record['diverged']})" if record["diverged"]
                    else f"validation ACC {record['ACC']:.2f}")
         log(f"  trial {candidates.index(chosen) + 1}/{len(candidates)}: "
@@ -426,26 +412,41 @@ def trial_score(trial):
     return -math.inf if trial["val_ACC"] is None else trial["val_ACC"]
 
 
-def tuning_path(cfg):
-    name = variant_name(cfg.method, with_recl(cfg), cfg.rec_objective)
-    return Path(cfg.out) / f"{recl.dataset_name(cfg.dataset)}-{cfg.scenario}-{name}-tuning-seed{cfg.seed}.json"
+def tuned_config(args):
+    """The run a search scores: one variant (--variant recl: with ReCL), seed --seed, on
+    the validation split."""
+    variant = config.variants(args)[-1] if args.variant == "recl" else "base"
+    return dataclasses.replace(config.resolve(args, args.seed, variant), validation=True)
+
+
+def tuning_path(args):
+    cfg = tuned_config(args)
+    return Path(args.out) / f"{config.run_name(cfg)}-tuning-{config.digest(cfg)}-seed{cfg.seed}.json"
 
 
 def tune(argv, log=None):
     """tune: run the validation search, save every trial, print the winner."""
-    cfg = cli.make_parser().parse_args(argv)
-    cli.check_args(cfg)
-    if cfg.lr is not None or cfg.epochs is not None:
-        raise UsageError("tune chooses --lr and --epochs itself; leave them out")
-    log = log or ((lambda *a: None) if cfg.quiet else (lambda *a: print(*a, flush=True)))
-    trials = tune_method(cfg, log)
-    use_recl = with_recl(cfg)
-    name = variant_name(cfg.method, use_recl, cfg.rec_objective)
-    path = tuning_path(cfg)
-    searched = {**vars(recl.run_settings(cfg, cfg.seed, use_recl)), "lr": None, "epochs": None}  # what it chose
-    write_json_atomically(path, {"method": name, "scenario": cfg.scenario, "dataset": recl.dataset_name(cfg.dataset),
-                                 "seed": cfg.seed, "trials": trials, "config": searched,
-                                 "provenance": cli.provenance()})
+    parser = config.make_parser(prog="experiments.py tune")
+    parser.add_argument("--draws", type=int, default=10, help="settings drawn from the grid (default: 10)")
+    args = parser.parse_args(argv)
+    config.check(args)
+    if args.draws < 1:
+        raise UsageError(f"--draws must be at least 1, got {args.draws}")
+    for flag, value in (("lr", args.lr), ("epochs", args.epochs)):
+        if value is not None:
+            raise UsageError(f"tune chooses --{flag} itself; leave it out")
+    if args.seeds is not None:
+        raise UsageError("tune searches on one seed (--seed); --seeds does not apply")
+    if args.variant == "both":
+        raise UsageError("tune scores one variant: --variant base (the default) or recl")
+    log = log or ((lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True)))
+    cfg = tuned_config(args)
+    trials = tune_method(cfg, args.draws, log)
+    path = tuning_path(args)
+    name = variant_name(cfg.method, cfg.variant)
+    write_json_atomically(path, {"method": name, "scenario": cfg.scenario, "dataset": config.dataset_name(cfg.dataset),
+                                 "seed": cfg.seed, "trials": trials, "config": dataclasses.asdict(cfg),
+                                 "provenance": config.provenance()})
     best = trials[0]
     if best["val_ACC"] is None:
         raise RunFailed(f"{name} {cfg.scenario}: every trial diverged ({path})")
@@ -498,9 +499,8 @@ class CountFlops(TorchDispatchMode):
     inside it, forward and backward, with the formulas of torch.utils.flop_counter.
 
     Why not the usual tools: torch.profiler's with_flops leaves out
-    convolution_backward, so it counted the CNN step at 0.37 of its real work (this
-    benchmark used it before and so put the CNN step at 0.1-0.2 of the matmul rate;
-    docs/cost.md); FlopCounterMode tracks modules with hooks that torch.func.grad breaks.
+    convolution_backward, so it undercounts a CNN step (docs/cost.md); FlopCounterMode
+    tracks modules with hooks that torch.func.grad breaks.
     """
 
     def __init__(self):
@@ -539,14 +539,19 @@ def reconstruction_problem(name, input_shape, m, device):
     return net, params, target, scale, x, labels, lam
 
 
+def eq6_losses(net, params, target, scale, x, labels, lam, lambda_min):
+    """The terms of Eq. 3-5 for the displacement target, as recl.reconstruct computes them."""
+    return recl.stationarity_loss(net, params, labels, target, lambda_min, None, scale)(x, lam)
+
+
 def reconstruction_step(name, input_shape, m, device, repeats, precision="float32", compiled=False):
     """Time and count one step of recl.reconstruct's loop for m candidates over 10 classes, its
-    products in `precision` (with `compiled`, of torch.compile(recl.reconstruction_losses),
-    its first call timed apart)."""
+    products in `precision` (with `compiled`, of torch.compile(eq6_losses), its first call
+    timed apart)."""
     net, params, target, scale, x, labels, lam = reconstruction_problem(name, input_shape, m, device)
     lambda_min = 0.05
 
-    compute = torch.compile(recl.reconstruction_losses) if compiled else recl.reconstruction_losses
+    compute = torch.compile(eq6_losses) if compiled else eq6_losses
 
     def losses_fn(*args):  # as recl.reconstruct calls it
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bfloat16"):
@@ -562,7 +567,7 @@ def reconstruction_step(name, input_shape, m, device, repeats, precision="float3
     synchronise(device)
     first = time.perf_counter() - first
     with CountFlops() as counter:  # the same work in either format; counted uncompiled
-        sum(recl.reconstruction_losses(net, params, target, scale, x, labels, lam, lambda_min).values()).backward()
+        sum(eq6_losses(net, params, target, scale, x, labels, lam, lambda_min).values()).backward()
     x.grad = lam.grad = None
     flops = counter.flops
     seconds = timed(step, device, repeats)
@@ -573,24 +578,24 @@ def reconstruction_step(name, input_shape, m, device, repeats, precision="float3
 
 def end_to_end(device):
     """Finetune and Finetune+ReCL, SplitMNIST CIL, seed 0, as the command line runs them."""
-    cfg = cli.make_parser().parse_args(["--device", device.type])
-    cli.check_args(cfg)
-    tasks, _, mean_image = data.make_tasks(cfg.dataset, 0, cfg.n_per_class, cfg.scenario, 2, cfg.data_root)
+    args = config.make_parser().parse_args(["--device", device.type])
+    config.check(args, probe_out=False)
     runs = {}
-    for use_recl in (False, True):
-        run = recl.run_settings(cfg, 0, use_recl)
-        judge = lambda old, x_rec: recl.report_reconstruction("", old, x_rec, run, mean_image, lambda *a: None)
-        record = recl.timed_run(run, tasks, cfg.method, use_recl, lambda *a: None, mean_image, judge)
-        runs["finetune+recl" if use_recl else "finetune"] = {
+    for variant in ("base", "recl"):
+        run = config.resolve(args, 0, variant)
+        tasks, _, mean_image, _ = recl.make_tasks(run)
+        judge = lambda old, x_rec: judging.report_reconstruction("", old, x_rec, run, mean_image, log=lambda *a: None)
+        record = recl.run_continual(run, tasks, lambda *a: None, judge, mean_image)
+        runs[variant_name("finetune", variant)] = {
             "seconds": record["seconds"], "ACC": record["ACC"], "phase_seconds": record["phase_seconds"]}
-        runs["rec_precision"] = run.rec_precision
+        runs["rec_precision"] = run.rec_precision or runs.get("rec_precision")
     runs["ratio"] = runs["finetune+recl"]["seconds"] / runs["finetune"]["seconds"]
     return runs
 
 
 def benchmark(argv):
-    p = argparse.ArgumentParser(prog="experiments.py benchmark",
-                                description="What ReCL costs: a reconstruction step, and a whole run")
+    p = config.Parser(prog="experiments.py benchmark",
+                      description="What ReCL costs: a reconstruction step, and a whole run")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per step (median)")
     p.add_argument("--no-runs", action="store_true", help="skip the end-to-end runs")
@@ -598,10 +603,14 @@ def benchmark(argv):
                    help="also time the MLP step under torch.compile (compiling takes seconds to a minute)")
     p.add_argument("--out", default=None, help="JSON file (default: results/benchmark-DEVICE.json)")
     args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda was asked for but no CUDA device is available")
+    if args.repeats < 1:
+        raise UsageError(f"--repeats must be at least 1, got {args.repeats}")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(args.device)
-    machine = cli.provenance()
+    machine = config.provenance()
     print(f"device {machine['device']}, {machine['threads']} threads, torch {machine['torch']}", flush=True)
 
     peak, peak_bf16 = matmul_peak(device), matmul_peak(device, torch.bfloat16)
@@ -644,25 +653,62 @@ def benchmark(argv):
 # The command line
 # =============================================================================
 
+def aggregate(folder, say=lambda message: print(message, file=sys.stderr)):
+    """The tables of every run record in `folder`, one per (dataset, scenario, split),
+    with the tuning searches' table first if there are any; and the charts."""
+    if not Path(folder).is_dir():
+        raise UsageError(f"aggregate: {folder} is not a folder")
+    records, searches = read_results(folder, say)
+    if not records and not searches:
+        raise UsageError(f"no finished runs (*.json) in {folder}")
+    tables = [f"### Validation searches\n\n{tuning_table(searches)}\n"] if searches else []
+    records.sort(key=lambda r: (method_rank(r["method"]), VARIANT_ORDER.get(r["variant"], 3), r["seed"]))
+    for dataset, scenario, validation in sorted({(r["dataset"], r["scenario"], bool(r["config"].get("validation")))
+                                                 for r in records}):
+        chosen = [r for r in records if (r["dataset"], r["scenario"], bool(r["config"].get("validation")))
+                  == (dataset, scenario, validation)]
+        split = " (validation split)" if validation else ""
+        tables.append(f"### {dataset}, {scenario.upper()}{split}\n\n{summary_table(chosen)}\n")
+    pictured = drawn(records, say)
+    for dataset in sorted({r["dataset"] for r in pictured}):
+        path = Path(folder) / f"chart-{dataset}.svg"
+        write_atomically(path, chart_svg(pictured, dataset))
+        say(f"chart: {path}")
+    for dataset, scenario, method in sorted({(r["dataset"], r["scenario"], r["method"]) for r in pictured
+                                             if r["method"] != "joint"}):
+        path = Path(folder) / f"matrix-{dataset}-{scenario}-{method}.svg"
+        write_atomically(path, matrix_svg(pictured, dataset, scenario, method))
+    if pictured:
+        say(f"accuracy matrices: {folder}/matrix-DATASET-SCENARIO-METHOD.svg")
+    return "\n".join(tables)
+
+
+VARIANT_ORDER = {"base": 0, "recl": 1, "inversion": 2}
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    command, rest = (argv[0], argv[1:]) if argv else ("", [])
-    if command in ("", "-h", "--help"):
-        print(__doc__)
-    elif command == "aggregate" and len(rest) == 1:
-        print(aggregate(rest[0]))
-    elif command == "pending" and not rest:
-        print("\n".join(pending_runs(sys.stdin.read().splitlines(), lambda m: print(m, file=sys.stderr))))
-    elif command == "queue" and len(rest) == 1:
-        work_through_queue(rest[0])
-    elif command == "tune":
-        tune(rest)
-    elif command == "benchmark":
-        benchmark(rest)
+    p = config.Parser(prog="experiments.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=config.Parser)
+    a = sub.add_parser("aggregate", help="the tables and charts of the runs in a folder")
+    a.add_argument("folder")
+    sub.add_parser("pending", help="which recl.py command lines on stdin have no result yet")
+    q = sub.add_parser("queue", help="work through FOLDER/commands beside other workers")
+    q.add_argument("folder")
+    sub.add_parser("tune", help="choose a method's settings on validation data (takes recl.py's flags)")
+    sub.add_parser("benchmark", help="what ReCL costs")
+    if argv[:1] == ["tune"]:  # these two parse their own flags, -h included
+        return tune(argv[1:])
+    if argv[:1] == ["benchmark"]:
+        return benchmark(argv[1:])
+    args = p.parse_args(argv)
+    if args.command == "aggregate":
+        print(aggregate(args.folder))
+    elif args.command == "pending":
+        print("\n".join(pending_runs(sys.stdin.read().splitlines())))
     else:
-        raise UsageError("usage: experiments.py aggregate DIR | tune RECL-FLAGS | benchmark [FLAGS] | pending "
-                         "| queue DIR (see its docstring)")
+        work_through_queue(args.folder)
 
 
 if __name__ == "__main__":
-    cli.run_from_command_line(main, "experiments.py")
+    config.run_from_command_line(main, "experiments.py")

@@ -5,7 +5,7 @@ by c scales the output by c^L. Plain ReLU MLPs and CNNs without bias vectors are
 homogeneous. Following the paper (App. D.1) and the reconstruction reference code,
 only the first layer has a bias. The MLP's first layer starts at a tiny scale (1e-4),
 as there; the CNN starts at He scale throughout (chosen on validation, see
-docs/running.md: a 1e-4 first layer learns each task only partly at small lr).
+docs/running.md, "Other models").
 """
 import copy
 
@@ -173,8 +173,7 @@ def smooth_backward_relu(z, alpha):
 
 class SmoothBackwardReLUFunction(torch.autograd.Function):
     """The same as smooth_backward_relu, faster: no softplus in the forward pass, and
-    a shorter double backward (a CNN reconstruction step 13 to 28% faster;
-    docs/cost.md). test_recl.py checks that the two give the same values and the
+    a shorter double backward (docs/cost.md has the timings). test_recl.py checks that the two give the same values and the
     same first and second derivatives. The backward is written in ordinary
     differentiable operations, so autograd can differentiate it again;
     setup_context and the generated vmap rule let torch.func take it as it is.

@@ -16,32 +16,34 @@ model alone (Step 1, Sec. 4.1). It then trains on those reconstructions mixed
 with the new task's data (Step 2, Sec. 4.2). No stored real data, no generator.
 
 Reading order:
-    1. Reconstruction       Eq. 3-6, the inversion control, and the filter
+    1. Reconstruction       Eq. 3-6 as the paper writes them, whole; then each
+                            departure from it, and the inversion control
     2. Metrics              Eq. 1-2: ACC and BWT from the accuracy matrix R[t, i]
     3. The loop             one training loop into which strategies.py hooks;
                             ReCL only adds data to it
-    4. Judging and tuning   SSIM against real images (App. D.5), and the
-                            in-training searches (Sec. 4.3)
-    5. Running it           where every run's settings are resolved, and main
+    4. Tuning               the in-training searches of Sec. 4.3
+    5. main                 one Config per run (config.py), checked before
+                            anything trains; one JSON file per run
 
-cli.py holds the command line's flags and their checks; experiments.py what
-produces this project's tables (the queue behind run_all.sh, aggregation and
-charts, the methods' validation search, the benchmark).
+config.py holds every default of a run in one table and the command line;
+judging.py the SSIM of App. D.5; experiments.py what produces this project's
+tables (the queue behind run_all.sh, aggregation and charts, the methods'
+validation search, the benchmark).
 """
-import argparse
+import dataclasses
 import math
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
-import cli
+import config
 import data
+import judging
 import models
 import strategies
-from cli import RunFailed, write_json_atomically
+from config import RunFailed, UsageError
 
 # =============================================================================
 # 1. Reconstruction (Sec. 4.1, App. B)
@@ -62,25 +64,6 @@ from cli import RunFailed, write_json_atomically
 # reference code (Buzaglo et al. 2023) we square them, which keeps the loss
 # smooth, and scale the gradient sum by 1/m so that lambda_min means the same for
 # any m. The norm in Eq. 3 runs over every parameter tensor of the network.
-#
-# Five departures from the paper, each behind a flag, chosen on validation data
-# (`--paper` turns them all off; docs/departures.md has why and the numbers):
-#
-# 1. `--rec-target displacement`: L_rec fits theta - theta_0, what training
-#    added to the weights, relative to its size. Eq. 3 holds in the limit of
-#    long training, when the random start theta_0 no longer matters; after
-#    minutes of training it still dominates theta, and no candidate explains it.
-# 2. `--freeze-old`: a class reconstructed once keeps its candidates, fixed;
-#    only the classes of the task just learned start from noise. Reading a class
-#    again from a model trained on its reconstructions lets errors compound.
-# 3. `--filter`: candidates the model assigns to another class are dropped.
-# 4. `--replay-noise`: reconstructions enter each batch with fresh noise
-#    (part 3), so the network files a neighbourhood, not a prototype, under
-#    the old class.
-# 5. `--ce-weight` (CIL): a little model inversion added to Eq. 6 (below).
-#
-# And a control: `--rec-objective inversion` replaces Eq. 3-6 by plain model
-# inversion in the same pipeline (below; docs/attribution.md compares them).
 
 def margins(model, params, x, y):
     """Phi_y(x) - max_{j != y} Phi_j(x) for a batch, with the network's weights as `params`."""
@@ -119,48 +102,25 @@ def weighted_gradient_sum(model, params, x, y, lam, m=None):
     return grad(weighted_margins)(params)
 
 
-def reconstruction_target(params, start, target):
-    """What the gradient combination should equal, and the scale of L_rec:
-    theta as in Eq. 3, or the displacement theta - theta_0 measured relative to its size."""
-    if target == "weights":
-        return params, 1.0
-    if start is None:
-        raise ValueError("the displacement target needs the model's initial weights: "
-                         "build it with models.build_model or call models.remember_start first")
-    displacement = {k: params[k] - start[k] for k in params}
-    return displacement, 1.0 / sum(v.pow(2).sum() for v in displacement.values()).clamp_min(1e-30)
-
-
-def reconstruction_losses(model, params, target, scale, x, y, lam, lambda_min, m=None):
-    """L_rec (times `scale`), L_lambda and L_prior of Eq. 3-5, by name, for m candidates of
-    which `x` are the ones being optimised (`target` already less the fixed ones' part)."""
-    combination = weighted_gradient_sum(model, params, x, y, lam, m)
-    return {"rec": scale * sum((target[k] - combination[k]).pow(2).sum() for k in params),
-            "lambda": 5 * F.relu(lambda_min - lam).pow(2).sum(),
-            "prior": image_prior(x)}
-
-
 def image_prior(x):
     """L_prior (Eq. 5): keep every pixel of the candidates inside [-1, 1]."""
     return F.relu(x.abs() - 1).pow(2).sum()
 
-# The control: model inversion (`--rec-objective inversion`). Is it Eq. 3
-# that makes the candidates useful, or would any optimisation that makes the
-# model recognise them as their labels do? Model inversion (Simonyan et al.
-# 2014; DeepInversion, Yin et al. 2020, without its batch-norm term, since our
-# networks have none) asks only the second:
-#
-#   L_inv = sum_i CE(f(x_i), y_i) + L_prior
-#
-# over the same candidates, labels, optimiser, steps, kept candidates, filter
-# and replay noise, through the same smooth-backward network; no lambdas, no
-# stationarity condition, and one backward pass per step instead of a double
-# one. Departure 5 adds its cross-entropy, weighted by `--ce-weight`, to Eq. 6.
 
-def inversion_losses(model, params, x, y):
-    """L_inv's two terms by name: cross-entropy of the candidates' own labels, and L_prior."""
-    logits = functional_call(model, params, (x,))
-    return {"ce": F.cross_entropy(logits, y, reduction="sum"), "prior": image_prior(x)}
+def stationarity_loss(model, params, labels, target, lambda_min, m=None, scale=1.0):
+    """L_full (Eq. 6) as a function of the candidates x and their lambdas: Eq. 3-5 by name.
+    `target` is theta in Eq. 3; departures 1 and 2 below pass another."""
+    def loss(x, lam):
+        combination = weighted_gradient_sum(model, params, x, labels, lam, m)
+        return {"rec": scale * sum((target[k] - combination[k]).pow(2).sum() for k in params),  # Eq. 3
+                "lambda": 5 * F.relu(lambda_min - lam).pow(2).sum(),                             # Eq. 4
+                "prior": image_prior(x)}                                                          # Eq. 5
+    return loss
+
+
+def paper_objective(net, params, labels, cfg):
+    """Eq. 6 as the paper writes it: Eq. 3 fits the weights theta themselves."""
+    return stationarity_loss(net, params, labels, params, cfg.lambda_min)
 
 
 def candidate_labels(n_outputs, m_per_class, n_old_tasks, scenario):
@@ -180,91 +140,113 @@ def initial_candidates(m, input_shape, sigma_x, seed):
     return torch.randn(m, *input_shape, generator=gen) * sigma_x, torch.rand(m, generator=gen)
 
 
-def keep_earlier(x, lam, labels, earlier_x, earlier_labels, earlier_lam):
-    """Put each class's earlier reconstructions, with their lambdas, into the first slots of that class.
+def reconstruct(model, labels, input_shape, cfg, log=print, objective=paper_objective, start=None):
+    """Step 1 of ReCL (Sec. 4.1): recover look-alikes of old training data from `model` alone.
 
-    Returns the candidates, their lambdas and a mask of the slots that were filled:
-    those stay fixed. Slots without an earlier reconstruction of their label (the
-    classes of the task just learned) keep their noise and random lambdas.
-    """
-    x, lam, filled = x.clone(), lam.clone(), torch.zeros(len(x), dtype=torch.bool)
-    for c in earlier_labels.unique():
-        slots = (labels == c).nonzero().squeeze(1)
-        earlier = (earlier_labels == c).nonzero().squeeze(1)
-        n = min(len(slots), len(earlier))
-        x[slots[:n]], lam[slots[:n]], filled[slots[:n]] = earlier_x[earlier[:n]], earlier_lam[earlier[:n]], True
-    return x, lam, filled
-
-
-def reconstruct(model, labels, input_shape, cfg, log=print, earlier=None):
-    """Step 1 of ReCL: recover look-alikes of old training data from `model` alone.
-
-    Returns the candidates, their labels, their lambdas and a report of the losses.
-    Candidates start as N(0, sigma_x^2) noise and are optimised, together with
-    their lambdas, by two full-batch SGD optimisers with momentum 0.9 for n_rec
-    steps (Eq. 6). With `earlier` = (x, labels, lambdas) of the reconstruction
-    before the previous task, the classes it covers keep those candidates and
-    lambdas, fixed (departure 2).
+    Random candidates and lambdas (or `start`), two full-batch SGD optimisers with
+    momentum 0.9, n_rec steps on L_full. `objective(net, params, labels, cfg)` gives
+    L_full; the departures below pass their own. Returns the candidates and lambdas
+    with the lowest loss seen, the last step's included, and a report.
     """
     device = next(model.parameters()).device
-    net = models.with_smooth_relu(model, cfg.alpha).eval()  # smooth backward, exact forward
+    net = models.with_smooth_relu(model, cfg.alpha).eval()  # smooth backward, exact forward (Haim et al.)
     params = {k: v.detach() for k, v in net.named_parameters()}
-    target, scale = reconstruction_target(params, models.start_weights(model), cfg.rec_target)
-    x, lam = initial_candidates(len(labels), input_shape, cfg.sigma_x, cfg.seed)
-    fixed = torch.zeros(len(x), dtype=torch.bool)
-    if earlier is not None:
-        x, lam, fixed = keep_earlier(x, lam, labels.cpu(), *(v.cpu() for v in earlier))
-    x, lam, labels, fixed, m = x.to(device), lam.to(device), labels.to(device), fixed.to(device), len(labels)
-    if fixed.any() and cfg.rec_objective != "inversion":  # inversion sums nothing over candidates
-        # The fixed candidates' share of Eq. 3's sum never changes: compute it
-        # once, and let the new candidates fit what it leaves of the target.
-        # Each step then differentiates through the new candidates only.
-        fixed_part = weighted_gradient_sum(net, params, x[fixed], labels[fixed], lam[fixed], m)
-        target = {k: target[k] - fixed_part[k] for k in target}
-    new_x, new_lam, new_labels = x[~fixed].requires_grad_(), lam[~fixed].requires_grad_(), labels[~fixed]
-    opt_x = torch.optim.SGD([new_x], lr=cfg.lr_x, momentum=0.9)
-    opt_lam = torch.optim.SGD([new_lam], lr=cfg.lr_lambda, momentum=0.9)  # inversion leaves them be
-
-    def losses():  # Eq. 3-6 by name, with departure 5's term; or the inversion control
-        if cfg.rec_objective == "inversion":
-            return inversion_losses(net, params, new_x, new_labels)
-        terms = reconstruction_losses(net, params, target, scale, new_x, new_labels, new_lam, cfg.lambda_min, m)
-        if cfg.ce_weight:
-            terms["ce"] = cfg.ce_weight * inversion_losses(net, params, new_x, new_labels)["ce"]
-        return terms
-
-    best_loss, best, diverged = math.inf, None, False
-    for step in range(cfg.n_rec):
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.rec_precision == "bfloat16"):
-            terms = losses()
-        loss = sum(terms.values())
+    x, lam = start if start is not None else initial_candidates(len(labels), input_shape, cfg.sigma_x, cfg.seed)
+    x, lam = x.to(device).requires_grad_(), lam.to(device).requires_grad_()
+    L_full = objective(net, params, labels.to(device), cfg)
+    opt_x = torch.optim.SGD([x], lr=cfg.lr_x, momentum=0.9)
+    opt_lam = torch.optim.SGD([lam], lr=cfg.lr_lambda or 0.0, momentum=0.9)  # the inversion control has none
+    losses, best = [], None
+    for step in range(cfg.n_rec + 1):  # the extra pass only scores the last step's candidates
+        with torch.set_grad_enabled(step < cfg.n_rec):
+            terms = L_full(x, lam)
+            loss = sum(terms.values())
+        losses.append(loss.item())
         if step == 0:
-            first_loss, first_terms = loss.item(), {k: v.item() for k, v in terms.items()}
-        if not torch.isfinite(loss):  # diverged: fall back to the candidates with the lowest loss seen
-            log(f"    reconstruction stopped at step {step}: the loss is not finite")
-            diverged = True
-            if best is not None:
-                new_x, new_lam, loss, terms = best
+            first_terms = {k: v.detach() for k, v in terms.items()}
+        if not math.isfinite(losses[-1]):
             break
-        value = loss.item()
-        if value < best_loss:  # on the way to blowing up, the last finite step can be huge
-            best_loss, best = value, (new_x.detach().clone(), new_lam.detach().clone(), loss.detach(),
-                                      {k: v.detach() for k, v in terms.items()})
+        if best is None or losses[-1] < best[0]:  # a step can overshoot: keep the best candidates seen
+            best = (losses[-1], x.detach().clone(), lam.detach().clone(), {k: v.detach() for k, v in terms.items()})
+        if step == cfg.n_rec:
+            break
         opt_x.zero_grad()
         opt_lam.zero_grad()
         loss.backward()
         opt_x.step()
         opt_lam.step()
         if (step + 1) % max(1, cfg.n_rec // 4) == 0 and step + 1 < cfg.n_rec:  # progress at each quarter
-            log(f"    step {step + 1}/{cfg.n_rec}: loss {value:.4g}")
+            log(f"    step {step + 1}/{cfg.n_rec}: loss {losses[-1]:.4g}")
+    if best is None:  # not even the start has a finite loss: hand back the start, flagged
+        best = (losses[0], x.detach(), lam.detach(), {k: v.detach() for k, v in terms.items()})
+    return best[1], best[2], reconstruction_report(losses, best, first_terms)
 
-    x[~fixed], lam[~fixed] = new_x.detach(), new_lam.detach()
-    finite = torch.isfinite(x.flatten(1)).all(1)  # never hand NaNs to training
-    # the losses of the last step evaluated (after a divergence, the fallback's: the candidates returned)
-    report = {"candidates": m, "optimised": int((~fixed).sum()), "finite": int(finite.sum()), "steps": step + 1,
-              "diverged": diverged, "first_loss": first_loss, "last_loss": loss.item(),
-              "first_terms": first_terms, "last_terms": {k: v.item() for k, v in terms.items()}}
-    return x[finite], labels[finite], lam[finite], report
+
+def reconstruction_report(losses, best, first_terms):
+    """What a reconstruction did: its first and kept losses, and why it failed, if it did:
+    a loss that turned non-finite or ended above its start, or no step that lowered it."""
+    first, last = losses[0], losses[-1]
+    failed = (f"diverged at step {len(losses) - 1}" if not math.isfinite(last)
+              else f"climbed from {first:.4g} to {last:.4g}" if last > first
+              else "no step lowered the loss" if best[0] >= first else None)
+    return {"steps": len(losses) - 1, "first_loss": first, "last_loss": best[0], "final_loss": last,
+            "first_terms": {k: v.item() for k, v in first_terms.items()},
+            "last_terms": {k: v.item() for k, v in best[3].items()}, "failed": failed}
+
+# -----------------------------------------------------------------------------
+# Departures from the paper, and a control
+# -----------------------------------------------------------------------------
+# Five departures, each behind a flag and chosen on validation data (`--paper`
+# turns them all off; docs/departures.md has why and the numbers):
+#
+# 1. `--rec-target displacement`: L_rec fits theta - theta_0, what training
+#    added to the weights, relative to its size. Eq. 3 holds in the limit of
+#    long training, when the random start theta_0 no longer matters; after
+#    minutes of training it still dominates theta, and no candidate explains it.
+# 2. `--freeze-old`: a class reconstructed once keeps its candidates, fixed;
+#    only the classes of the task just learned start from noise. Reading a class
+#    again from a model trained on its reconstructions lets errors compound.
+# 3. `--filter`: candidates the model assigns to another class are dropped.
+# 4. `--replay-noise`: reconstructions enter each batch with fresh noise
+#    (part 3), so the network files a neighbourhood, not a prototype, under
+#    the old class.
+# 5. `--ce-weight` (CIL): a little model inversion added to Eq. 6.
+#
+# The control, `--rec-objective inversion` (the +inversion variant): is it
+# Eq. 3 that makes the candidates useful, or would any optimisation that makes
+# the model recognise them as their labels do? Model inversion (Simonyan et
+# al. 2014; DeepInversion, Yin et al. 2020, without its batch-norm term) asks
+# only the second:  L_inv = sum_i CE(f(x_i), y_i) + L_prior, over the same
+# candidates, labels, optimiser, steps, filter and replay; no lambdas, no
+# stationarity condition, one backward pass per step instead of a double one.
+#
+# And a matter of speed, `--rec-precision bfloat16`: the products of the loss
+# run in bfloat16 (config.reconstruction_precision says where).
+
+def reconstruction_target(params, start, target):
+    """Departure 1: what the gradient combination should equal, and the scale of L_rec:
+    theta as in Eq. 3, or the displacement theta - theta_0 measured relative to its size."""
+    if target == "weights":
+        return params, 1.0
+    if start is None:
+        raise ValueError("the displacement target needs the model's initial weights: "
+                         "build it with models.build_model or call models.remember_start first")
+    displacement = {k: params[k] - start[k] for k in params}
+    return displacement, 1.0 / sum(v.pow(2).sum() for v in displacement.values()).clamp_min(1e-30)
+
+
+def keep_earlier(x, lam, labels, earlier_x, earlier_labels, earlier_lam):
+    """Departure 2: put each class's earlier reconstructions, with their lambdas, into the
+    first slots of that class. Returns the candidates, their lambdas and a mask of the
+    slots that were filled: those stay fixed. Slots without an earlier reconstruction of
+    their label (the classes of the task just learned) keep their noise and random lambdas."""
+    x, lam, filled = x.clone(), lam.clone(), torch.zeros(len(x), dtype=torch.bool, device=x.device)
+    for c in earlier_labels.unique():
+        slots = (labels == c).nonzero().squeeze(1)
+        earlier = (earlier_labels == c).nonzero().squeeze(1)
+        n = min(len(slots), len(earlier))
+        x[slots[:n]], lam[slots[:n]], filled[slots[:n]] = earlier_x[earlier[:n]], earlier_lam[earlier[:n]], True
+    return x, lam, filled
 
 
 @torch.no_grad()
@@ -274,6 +256,53 @@ def classified_as_labelled(model, x, y):
     (App. D.5 suggests filtering reconstructions)."""
     model.eval()
     return model(x).argmax(1) == y
+
+
+def inversion_losses(model, params, x, y):
+    """The control's L_inv by name: cross-entropy of the candidates' own labels, and L_prior."""
+    logits = functional_call(model, params, (x,))
+    return {"ce": F.cross_entropy(logits, y, reduction="sum"), "prior": image_prior(x)}
+
+
+def objective_of(model, cfg, fixed=None, m=None):
+    """L_full with the run's departures, or the control's L_inv, as `reconstruct` takes it.
+    `fixed` = (x, labels, lambdas) of the candidates departure 2 keeps, m the count of all."""
+    def objective(net, params, labels, cfg):
+        if cfg.variant == "inversion":
+            loss = lambda x, lam: inversion_losses(net, params, x, labels)
+        else:
+            target, scale = reconstruction_target(params, models.start_weights(model), cfg.rec_target)
+            if fixed is not None:  # their share of Eq. 3's sum never changes: subtract it once
+                share = weighted_gradient_sum(net, params, *fixed, m)
+                target = {k: target[k] - share[k] for k in target}
+            eq6 = stationarity_loss(net, params, labels, target, cfg.lambda_min, m, scale)
+            weight = cfg.ce_weight  # departure 5
+            loss = eq6 if not weight else lambda x, lam: {
+                **eq6(x, lam), "ce": weight * inversion_losses(net, params, x, labels)["ce"]}
+        device_type = next(iter(params.values())).device.type
+
+        def in_precision(x, lam):
+            with torch.autocast(device_type, dtype=torch.bfloat16, enabled=cfg.rec_precision == "bfloat16"):
+                return loss(x, lam)
+        return in_precision
+    return objective
+
+
+def reconstruct_old_data(model, old_tasks, cfg, log=print, earlier=None):
+    """Step 1 as this run makes it: labels for the candidates, then `reconstruct` with the
+    run's departures. With `earlier` = (x, labels, lambdas) from before the previous task,
+    the classes it covers keep those candidates, fixed (departure 2)."""
+    device = next(model.parameters()).device
+    input_shape = old_tasks[0].x_train.shape[1:]
+    labels = candidate_labels(model.head.out_features, cfg.m, len(old_tasks), cfg.scenario).to(device)
+    x, lam = (v.to(device) for v in initial_candidates(len(labels), input_shape, cfg.sigma_x, cfg.seed))
+    fixed = torch.zeros(len(x), dtype=torch.bool, device=device)
+    if earlier is not None:
+        x, lam, fixed = keep_earlier(x, lam, labels, *earlier)
+    objective = objective_of(model, cfg, (x[fixed], labels[fixed], lam[fixed]) if fixed.any() else None, len(x))
+    x[~fixed], lam[~fixed], report = reconstruct(model, labels[~fixed], input_shape, cfg, log, objective,
+                                                 (x[~fixed], lam[~fixed]))
+    return x, labels, lam, {"candidates": len(x), "optimised": int((~fixed).sum()), **report}
 
 
 # =============================================================================
@@ -342,7 +371,7 @@ def train_task(model, x, y, hooks, state, cfg, n_replayed=0):
                 raise Diverged(f"training loss {value} in epoch {epoch + 1}")
             total += value * len(xb)
     # Batch norm (ResNet18) evaluates with running statistics, which start at mean 0,
-    # variance 1 and move 10% per step: a task's few dozen steps leave much of that
+    # variance 1 and move a little each step: a task's few dozen steps leave much of that
     # start in them, and a net that fits its task can score chance. So re-estimate
     # them on the task's data with the final weights (docs/running.md, "Other models").
     # Networks without batch norm skip this.
@@ -350,59 +379,41 @@ def train_task(model, x, y, hooks, state, cfg, n_replayed=0):
     return total / len(x)  # mean loss of the last epoch
 
 
-def reconstruct_old_data(model, old_tasks, cfg, log=print, earlier=None, mean_image=None):
-    """Step 1 before a new task: labels for the candidates, then reconstruction with the
-    tuning strategy of Sec. 4.3 (part 4): the run's values, or a search per task."""
-    input_shape = old_tasks[0].x_train.shape[1:]
-    labels = candidate_labels(model.head.out_features, cfg.m, len(old_tasks), cfg.scenario)
-    if cfg.tuning == "naive":
-        return reconstruct(model, labels, input_shape, cfg, log, earlier)
-    seed = cfg.seed * 100 + len(old_tasks)  # the search's own draws, new before each task
-    if cfg.tuning == "unsup":  # the lowest final L_full; needs no old data
-        score = lambda x, report: -report["last_loss"]
-    else:  # sup: SSIM against a few stored real images of each old task
-        buffer = reference_buffer(old_tasks, 0.1, seed)
-        mean = torch.zeros(input_shape) if mean_image is None else mean_image
-        score = lambda x, report: reconstruction_quality(buffer, x, mean.to(x.device))[0].mean().item()
-    return search_reconstruction(model, labels, input_shape, cfg, score, seed, log, earlier)
-
-
-def variant_name(method, use_recl, objective="stationarity"):
-    """'gpm', 'gpm+recl', or 'gpm+inversion' for ReCL's pipeline with the inversion control."""
-    return method + ({"stationarity": "+recl", "inversion": "+inversion"}[objective] if use_recl else "")
-
-
-def run_continual(cfg, tasks, method, use_recl, log=print, mean_image=None, judge=None,
-                  step1=reconstruct_old_data):
-    """Train one model through all tasks (ReCL optional); return the run's record.
-
-    `step1` makes the reconstructions (part 5 passes it timed). `judge(old_tasks,
-    x_rec)`, if given, reports on each reconstruction (part 4); what it returns
-    goes into the record, and training never sees it."""
-    if method == "joint":  # the upper bound has no stream of tasks: see run_jointly
+def run_continual(cfg, tasks, log=print, judge=None, mean_image=None):
+    """Train one model through all tasks, with ReCL if cfg.variant says so; return the run's
+    record. `judge(old_tasks, x_rec)`, if given, reports on each reconstruction (judging.py);
+    what it returns goes into the record, and training never sees it."""
+    if cfg.method == "joint":  # the upper bound has no stream of tasks: see run_jointly
         return run_jointly(cfg, tasks, log)
-    torch.manual_seed(cfg.seed)  # the same init and shuffles for both variants
+    started = time.time()
+    torch.manual_seed(cfg.seed)  # the same init and shuffles for every variant
     device = torch.device(cfg.device)
     tasks = [data.Task(t.classes, *(v.to(device) for v in t[1:])) for t in tasks]
     per_task = len(tasks[0].classes)
     model = models.build_model(cfg.model, tasks[0].x_train.shape[1:], per_task).to(device)
-    hooks, state = strategies.STRATEGIES[method], strategies.new_state(method, **cfg.hp)
-    name = variant_name(method, use_recl, cfg.rec_objective)
+    hooks, state = strategies.STRATEGIES[cfg.method]["hooks"], strategies.new_state(cfg.method, **cfg.hp)
+    step1 = reconstruct_old_data if cfg.tuning in (None, "naive") else (  # or a search, part 4
+        lambda *args: search_reconstruction(*args, mean_image=mean_image))
+    name = config.variant_name(cfg.method, cfg.variant)
     R = [[None] * len(tasks) for _ in tasks]
     reconstructions, recon_quality, earlier, diverged = [], [], None, None
     for t, task in enumerate(tasks):
         x, y = task.x_train, task.y_train
-        if use_recl and t > 0:
+        if cfg.variant != "base" and t > 0:
             # Step 1: reconstruct old data from the model as it is after task t-1.
-            x_rec, y_rec, lam_rec, report = step1(model, tasks[:t], cfg, log, earlier, mean_image)
+            start = time.time()
+            x_rec, y_rec, lam_rec, report = step1(model, tasks[:t], cfg, log, earlier)
+            log(f"    reconstruction took {time.time() - start:.1f}s")
             if cfg.freeze_old:
                 earlier = (x_rec, y_rec, lam_rec)  # kept whole: the filter below judges them again each time
             if cfg.filter:
                 keep = classified_as_labelled(model, x_rec, y_rec)
                 x_rec, y_rec = x_rec[keep], y_rec[keep]
-            reconstructions.append({"task": t + 1, **report, "kept": len(x_rec)})
+            reconstructions.append({"task": t + 1, **report, "kept": len(x_rec),
+                                    "seconds": round(time.time() - start, 2)})
             log(f"  [{name}] task {t + 1}: reconstructed {len(x_rec)}/{report['candidates']}, "
-                f"loss {report['first_loss']:.4g} -> {report['last_loss']:.4g}")
+                f"loss {report['first_loss']:.4g} -> {report['last_loss']:.4g}"
+                + (f", FLAGGED: {report['failed']} (kept its lowest-loss candidates)" if report["failed"] else ""))
             if judge and len(x_rec):
                 recon_quality.append(judge(tasks[:t], x_rec))
             # Step 2: train on new data and reconstructions together (the
@@ -424,15 +435,19 @@ def run_continual(cfg, tasks, method, use_recl, log=print, mean_image=None, judg
             f"acc {' '.join(f'{a:.1f}' for a in R[t][:t + 1])}")
 
     acc, bwt = acc_and_bwt(R) if diverged is None else (None, None)
-    return {"method": method, "recl": use_recl, "scenario": cfg.scenario,
+    return {"method": cfg.method, "variant": cfg.variant, "recl": cfg.variant != "base", "scenario": cfg.scenario,
             "seed": cfg.seed, "acc_matrix": R, "ACC": acc, "BWT": bwt, "diverged": diverged,
-            "reconstructions": reconstructions, "recon_quality": recon_quality}
+            "reconstructions": reconstructions, "recon_quality": recon_quality,
+            "failed_reconstructions": sum(bool(r["failed"]) for r in reconstructions),
+            "seconds": round(time.time() - started, 2),
+            "phase_seconds": {"reconstruct": round(sum(r["seconds"] for r in reconstructions), 2)}}
 
 
 def run_jointly(cfg, tasks, log=print):
     """The upper bound (`--method joint`): one model trained on every task's training images
     at once, as if nothing were ever forgotten. Its record has one row of test accuracies,
     one per task; BWT does not apply (no task came first), and neither does ReCL."""
+    started = time.time()
     torch.manual_seed(cfg.seed)
     device = torch.device(cfg.device)
     tasks = [data.Task(t.classes, *(v.to(device) for v in t[1:])) for t in tasks]
@@ -448,125 +463,21 @@ def run_jointly(cfg, tasks, log=print):
     except Diverged as err:
         diverged = str(err)
         log(f"  [joint] diverged, {err}")
-    return {"method": "joint", "recl": False, "scenario": cfg.scenario,
+    return {"method": "joint", "variant": "base", "recl": False, "scenario": cfg.scenario,
             "seed": cfg.seed, "acc_matrix": [row], "ACC": acc, "BWT": None, "diverged": diverged,
-            "reconstructions": [], "recon_quality": []}
+            "reconstructions": [], "recon_quality": [], "failed_reconstructions": 0,
+            "seconds": round(time.time() - started, 2), "phase_seconds": {"reconstruct": 0.0}}
+
 
 
 # =============================================================================
-# 4. Judging and tuning the reconstruction (App. D.5, Sec. 4.3)
+# 4. Tuning the reconstruction during training (Sec. 4.3)
 # =============================================================================
-# How close are the reconstructions to the real old images? Reporting only:
-# training never sees these real images. App. D.5 in three steps:
-#   1. standardise both sets (each image minus its set's mean image, over the
-#      set's spread) and match each real image to its nearest candidate by L2;
-#   2. add the training mean image back and stretch each image to [0, 1];
-#   3. SSIM of each pair. Haim et al. (2022) count SSIM > 0.4 as recovered.
-# One change to step 2: the paper adds the mean to the *standardised*
-# candidates, which have lost their set's mean image and have unit spread, so
-# even exact copies of the real images would score well below 1. We first give
-# the standardised candidates the real set's mean image and spread; the score
-# then ignores only their overall scale and offset (test_recl.py checks both).
-
-def ssim(a, b, window=11, sigma=1.5):
-    """Mean SSIM (Wang et al. 2004) of each image pair in [0, 1]; Gaussian window, valid borders."""
-    channels, size = a.shape[1], min(window, a.shape[-2], a.shape[-1])
-    g = torch.exp(-(torch.arange(size, dtype=a.dtype, device=a.device) - (size - 1) / 2) ** 2 / (2 * sigma ** 2))
-    kernel = (torch.outer(g, g) / g.sum() ** 2).expand(channels, 1, size, size)
-    blur = lambda t: F.conv2d(t, kernel, groups=channels)
-    mu_a, mu_b = blur(a), blur(b)
-    var_a, var_b = blur(a * a) - mu_a ** 2, blur(b * b) - mu_b ** 2
-    cov = blur(a * b) - mu_a * mu_b
-    c1, c2 = 0.01 ** 2, 0.03 ** 2
-    index = (2 * mu_a * mu_b + c1) * (2 * cov + c2) / ((mu_a ** 2 + mu_b ** 2 + c1) * (var_a + var_b + c2))
-    return index.flatten(1).mean(1)
-
-
-def standardise(images):
-    """Each image minus the set's mean image, divided by the set's spread around it."""
-    centred = images - images.mean(0)
-    return centred / centred.std().clamp_min(1e-12)
-
-
-def nearest_candidates(reference, candidates):
-    """Index of the nearest candidate for each reference image, each set standardised on its own."""
-    return torch.cdist(standardise(reference).flatten(1), standardise(candidates).flatten(1)).argmin(1)
-
-
-def on_reference_scale(candidates, reference):
-    """Standardised candidates with the reference set's mean image and spread."""
-    centred = reference - reference.mean(0)
-    return standardise(candidates) * centred.std() + reference.mean(0)
-
-
-def as_picture(x, mean_image):
-    """Undo the mean subtraction and stretch each image to [0, 1]."""
-    x = x + mean_image
-    low = x.flatten(1).min(1).values.view(-1, *[1] * (x.dim() - 1))
-    high = x.flatten(1).max(1).values.view(-1, *[1] * (x.dim() - 1))
-    return (x - low) / (high - low).clamp_min(1e-12)
-
-
-def reconstruction_quality(reference, candidates, mean_image):
-    """SSIM of every reference image with its nearest candidate, and those candidates' indices."""
-    nearest = nearest_candidates(reference, candidates)
-    shown = on_reference_scale(candidates, reference)[nearest]
-    return ssim(as_picture(reference, mean_image), as_picture(shown, mean_image)), nearest
-
-
-def save_pairs(path, reference, candidates, nearest, mean_image, n=32):
-    """PNG grid: rows of real images, each row followed by the nearest reconstructions."""
-    from torchvision.utils import save_image
-    pick = torch.linspace(0, len(reference) - 1, min(n, len(reference))).long()  # spread over old classes
-    real = as_picture(reference[pick], mean_image)
-    found = as_picture(on_reference_scale(candidates, reference)[nearest[pick]], mean_image)
-    rows = [t for pair in zip(real.split(16), found.split(16)) for t in pair]
-    save_image(torch.cat(rows).cpu(), path, nrow=16, padding=1, pad_value=1.0)
-
-
-def judge_reconstruction(old_tasks, x_rec, cfg, mean_image):
-    """SSIM of the old real images with their nearest reconstructions, and for comparison
-    with two other sets of as many images: the random candidates the reconstruction
-    started from (a floor) and held-out real images of the old classes (what a perfect
-    look-alike of the data, not a copy, would score)."""
-    real = torch.cat([t.x_train for t in old_tasks])
-    mean_image = mean_image.to(real.device)
-    start, _ = initial_candidates(len(x_rec), real.shape[1:], cfg.sigma_x, cfg.seed)
-    held_out = torch.cat([t.x_test for t in old_tasks])
-    pick = torch.randperm(len(held_out), generator=torch.Generator().manual_seed(cfg.seed))[:len(x_rec)]
-    found, nearest = reconstruction_quality(real, x_rec, mean_image)
-    floor, _ = reconstruction_quality(real, start.to(real.device), mean_image)
-    ceiling, _ = reconstruction_quality(real, held_out[pick.to(held_out.device)], mean_image)
-    quality = {}
-    for prefix, scores in (("", found), ("init_", floor), ("real_", ceiling)):
-        quality[prefix + "mean_ssim"] = scores.mean().item()
-        quality[prefix + "frac_ssim_above_0_4"] = (scores > 0.4).float().mean().item()
-    return quality, real, nearest, mean_image
-
-
-def report_reconstruction(name, old_tasks, x_rec, cfg, mean_image, log=print):
-    """Log how close the reconstructions made before task len(old_tasks) + 1 are, and save
-    their image grid if asked; returns the figures for the run's JSON."""
-    task = len(old_tasks) + 1
-    quality, real, nearest, mean_image = judge_reconstruction(old_tasks, x_rec, cfg, mean_image)
-    log(f"  [{name}] task {task}: SSIM to nearest real image {quality['mean_ssim']:.3f} "
-        f"(random candidates {quality['init_mean_ssim']:.3f}, held-out real {quality['real_mean_ssim']:.3f}), "
-        f"{100 * quality['frac_ssim_above_0_4']:.0f}% above 0.4")
-    if cfg.save_images:
-        run = result_path(cfg.out, cfg, cfg.method, True, cfg.seed)  # named like the run's JSON
-        path = run.with_name(f"{run.stem}-task{task}.png")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_pairs(path, real, x_rec, nearest, mean_image)
-        torch.save(x_rec.cpu(), path.with_suffix(".pt"))  # the candidates themselves, for other figures
-    return {"task": task, **quality}
-
-
-# Tuning the reconstruction during training (Sec. 4.3). naive: the defaults.
-# unsup: a random search at each task, keeping the trial with the lowest final
-# L_full; it needs no old data. sup: the same search scored by SSIM against a
-# small buffer of real old images (an ablation: it stores data). Trial 1 is
-# always the run's own values, so a search can only keep them or find
-# something its score rates higher.
+# naive: the run's own values. unsup: a random search at each task, keeping the
+# trial with the lowest final L_full; it needs no old data. sup: the same search
+# scored by SSIM against a small buffer of real old images (an ablation: it
+# stores data). Trial 1 is always the run's own values, so a search can only
+# keep them or find something its score rates higher.
 #
 # Where we depart from the paper's App. B.3: its ranges (lr_x in [1e-5, 1], ...)
 # were set for Eq. 3 on the weights, and our lr_x lies above them. Each draw is
@@ -597,17 +508,32 @@ def sample_hyperparameters(gen, centre):
             for name, factor in SEARCH_SPACE.items()}
 
 
-def search_reconstruction(model, labels, input_shape, cfg, score, seed, log=print, earlier=None):
-    """`cfg.trials` reconstructions: trial 1 with the run's own values, the others drawn
-    around them. Returns the one `score` rates highest; its report names the values used."""
+def reference_buffer(old_tasks, fraction, seed):
+    """A few real images of each old task: only the supervised search uses them."""
     gen = torch.Generator().manual_seed(seed)
-    own = {k: getattr(cfg, k) for k in SEARCH_SPACE}
+    picks = [t.x_train[torch.randperm(len(t.x_train), generator=gen)[:max(1, round(fraction * len(t.x_train)))]]
+             for t in old_tasks]
+    return torch.cat(picks)
+
+
+def search_reconstruction(model, old_tasks, cfg, log=print, earlier=None, mean_image=None):
+    """Step 1 with a search: `cfg.trials` reconstructions, trial 1 at the run's own values,
+    the others drawn around them (only those that apply to its objective). Returns the one
+    the score rates highest; its report names the values used. A failed draw loses."""
+    seed = cfg.seed * 100 + len(old_tasks)  # the search's own draws, new before each task
+    if cfg.tuning == "unsup":  # the lowest final L_full; needs no old data
+        score = lambda x, report: -report["last_loss"]
+    else:  # sup: SSIM against a few stored real images of each old task
+        buffer = reference_buffer(old_tasks, 0.1, seed)
+        mean = torch.zeros(buffer.shape[1:]) if mean_image is None else mean_image
+        score = lambda x, report: judging.reconstruction_quality(buffer, x, mean.to(x.device))[0].mean().item()
+    gen = torch.Generator().manual_seed(seed)
+    own = {k: getattr(cfg, k) for k in SEARCH_SPACE if getattr(cfg, k) is not None}
     candidates = [own] + [sample_hyperparameters(gen, own) for _ in range(cfg.trials - 1)]
 
     def evaluate(hp):
-        x, y, lam, report = reconstruct(model, labels, input_shape, argparse.Namespace(**{**vars(cfg), **hp}),
-                                        log, earlier)
-        value = -math.inf if report["diverged"] or not len(x) else score(x, report)  # a diverging draw loses
+        x, y, lam, report = reconstruct_old_data(model, old_tasks, dataclasses.replace(cfg, **hp), log, earlier)
+        value = -math.inf if report["failed"] else score(x, report)
         log(f"    trial {candidates.index(hp) + 1}/{cfg.trials}: " + " ".join(f"{k} {v:.3g}" for k, v in hp.items())
             + f" -> score {value:.4g}")
         return value, None, (x, y, lam, {**report, "hyperparameters": hp, "score": value})
@@ -616,182 +542,64 @@ def search_reconstruction(model, labels, input_shape, cfg, score, seed, log=prin
     return best
 
 
-def reference_buffer(old_tasks, fraction, seed):
-    """A few real images of each old task: only the supervised search and reporting use them."""
-    gen = torch.Generator().manual_seed(seed)
-    picks = [t.x_train[torch.randperm(len(t.x_train), generator=gen)[:max(1, round(fraction * len(t.x_train)))]]
-             for t in old_tasks]
-    return torch.cat(picks)
-
-
 # =============================================================================
-# 5. Running it: where each run's settings come from, and main
+# 5. main: one config per run, checked before anything trains
 # =============================================================================
 
-# --- ReCL's own settings (each chosen on validation data; docs/departures.md) ---
-#
-# Step sizes for the candidates. They start tiny (sigma_x 1e-3) and the
-# gradients that move them are small: at Haim et al.'s lr_x 0.1 a hundred steps
-# barely move them. The displacement target's relative L_rec takes 3, the
-# weights target 1; inversion's summed cross-entropy has far larger gradients
-# and takes its own, per scenario. (On tiny inputs 3 can diverge; the run then
-# keeps the candidates with the lowest loss it saw.)
-DEFAULT_LR_X = {"weights": 1.0, "displacement": 3.0}
-INVERSION_LR_X = {"cil": 0.003, "dil": 0.3}
-# Departure 5's weight, chosen on validation (docs/departures.md). It is off in
-# DIL, where it cost ACC: there one label stands for a class of every old task.
-DEFAULT_CE_WEIGHT = {"cil": 3e-4, "dil": 0.0}
-# Departure 4: replayed reconstructions get fresh noise of 2.5 pixel stds.
-DEFAULT_REPLAY_NOISE = 2.5
-# ReCL reads the old data out of the weights, so it needs a network that has
-# fitted its tasks; the light training that suits a method alone leaves too
-# little to read. So each +ReCL variant trains with its own budget, chosen by
-# validation ACC of the +ReCL variant like the methods' own (strategies.TUNED).
-# GPM replays without noise: its projection lets a layer learn only outside
-# the input space of old tasks, so noisy replay trains directions the real old
-# images never use.
-TUNED_RECL = {
-    "cil": {
-        "finetune": {"lr": 0.1, "epochs": 20},
-        "ewc": {"lr": 0.1, "epochs": 20, "ewc_lambda": 100.0},
-        "er": {"lr": 0.1, "epochs": 20},
-        "upgd": {"lr": 0.1, "epochs": 20},
-        "agem": {"lr": 0.1, "epochs": 20},
-        "lwf": {"lr": 0.1, "epochs": 20},
-        "gpm": {"lr": 0.1, "epochs": 20, "replay_noise": 0.0},
-    },
-    "dil": {  # LwF and GPM keep their own lr and epochs
-        "finetune": {"lr": 0.05, "epochs": 20},
-        "ewc": {"lr": 0.05, "epochs": 20, "ewc_lambda": 100.0},
-        "lwf": {"lwf_lambda": 0.5},
-        "er": {"lr": 0.05, "epochs": 20},
-        "upgd": {"lr": 0.1, "epochs": 20},
-        "agem": {"lr": 0.1, "epochs": 20},
-        "gpm": {"replay_noise": 0.0},
-    },
-}
-# --paper switches off every departure whose flag is not given.
-DEPARTURE_DEFAULTS = {"rec_target": "displacement", "freeze_old": True, "filter": True}
-PAPER_PRESET = {"rec_target": "weights", "freeze_old": False, "filter": False}
-
-
-def run_settings(cfg, seed, use_recl):
-    """Everything one run uses, resolved in one place from the command line `cfg`.
-
-    A flag given on the command line always wins. What it leaves open comes from:
-    the machine (device, number format), the dataset (classes per task), the
-    method's tuned training (strategies.TUNED), the +ReCL variant's own budget
-    (TUNED_RECL, unless --paper), and ReCL's defaults above. The result is what
-    the run's JSON records as its config."""
-    run = argparse.Namespace(**vars(cfg))
-    run.seed = seed
-    if run.device == "auto":
-        run.device = "cuda" if torch.cuda.is_available() else "cpu"
-    run.rec_precision = cli.reconstruction_precision(run.rec_precision, torch.device(run.device))
-    run.classes_per_task = run.classes_per_task or (20 if run.dataset == "tinyimagenet" else 2)
-    run.m = run.m or run.n_per_class or 100
-    if run.method == "joint":  # one model on all tasks at once: nothing to reconstruct
-        run.variant = "base"
-    for key, value in (PAPER_PRESET if run.paper else DEPARTURE_DEFAULTS).items():
-        if getattr(run, key) is None:
-            setattr(run, key, value)
-    if run.ce_weight is None:
-        run.ce_weight = 0.0 if run.paper or run.rec_objective == "inversion" else DEFAULT_CE_WEIGHT[run.scenario]
-    if run.lr_x is None:
-        run.lr_x = INVERSION_LR_X[run.scenario] if run.rec_objective == "inversion" else DEFAULT_LR_X[run.rec_target]
-    own = strategies.settings(run.method, run.scenario)
-    recl_budget = {} if run.paper else {"replay_noise": DEFAULT_REPLAY_NOISE,
-                                        **TUNED_RECL.get(run.scenario, {}).get(run.method, {})}
-    chosen = {**own, **recl_budget} if use_recl else own
-    run.lr = chosen["lr"] if run.lr is None else run.lr
-    run.epochs = chosen["epochs"] if run.epochs is None else run.epochs
-    # a reconstruction setting: both variants record the value the +ReCL variant uses
-    if run.replay_noise is None:
-        run.replay_noise = recl_budget.get("replay_noise", 0.0)
-    run.hp = {**{k: chosen[k] for k in strategies.HYPERPARAMETERS[run.method]}, **dict(cfg.hp)}
-    return run
-
-
-def describe(run, use_recl):
-    """The header line of a run: what it is and the settings it resolved to."""
-    split = " (validation split)" if run.validation else ""
-    text = (f"{variant_name(run.method, use_recl, run.rec_objective)} | {run.scenario} | {run.dataset}{split} | "
-            f"{run.model} | seed {run.seed} | {run.device} | lr {run.lr:g}, {run.epochs} epochs")
-    text += "".join(f", {k} {v:g}" for k, v in run.hp.items())
-    if use_recl:
-        departures = [name for name, on in (("freeze-old", run.freeze_old), ("filter", run.filter)) if on]
-        text += (f" | {run.rec_objective} on the {run.rec_target}{' (--paper)' if run.paper else ''}, "
-                 f"m {run.m}, {run.n_rec} steps, lr_x {run.lr_x:g}, ce weight {run.ce_weight:g}, "
-                 f"replay noise {run.replay_noise:g}, {' '.join(departures) or 'no freeze-old, no filter'}, "
-                 f"{run.rec_precision}, tuning {run.tuning}")
-    return text
-
-
-def dataset_name(dataset):
-    return Path(dataset).stem if dataset.endswith(".pt") else dataset
-
-
-def result_path(out, cfg, method, use_recl, seed):
-    variant = variant_name("", use_recl, cfg.rec_objective) + ("" if cfg.tuning == "naive" or not use_recl
-                                                                else f"-{cfg.tuning}")
-    split = "-validation" if cfg.validation else ""
-    return Path(out) / f"{dataset_name(cfg.dataset)}-{cfg.scenario}-{method}{variant}{split}-seed{seed}.json"
-
-
-def timed_run(run, tasks, method, use_recl, log=print, mean_image=None, judge=None):
-    """run_continual, with the seconds of the whole run and of each reconstruction in its record."""
-    def timed_step1(*args):
-        start = time.time()
-        x, y, lam, report = reconstruct_old_data(*args)
-        log(f"    reconstruction took {time.time() - start:.1f}s")
-        return x, y, lam, {**report, "seconds": round(time.time() - start, 2)}
-
-    start = time.time()
-    record = run_continual(run, tasks, method, use_recl, log, mean_image, judge, timed_step1)
-    record["seconds"] = round(time.time() - start, 2)
-    record["dataset"] = dataset_name(run.dataset)
-    record["phase_seconds"] = {"reconstruct": round(sum(r["seconds"] for r in record["reconstructions"]), 2)}
-    return record
+def make_tasks(cfg):
+    """The run's tasks (its validation split with --validation), class order, mean image,
+    and the classes no task holds."""
+    tasks, order, mean_image, left_out = data.make_tasks(cfg.dataset, cfg.seed, cfg.n_per_class, cfg.scenario,
+                                                         cfg.classes_per_task, cfg.data_root)
+    if cfg.validation:
+        tasks = data.validation_split(tasks, 0.2, cfg.seed)
+    return tasks, order, mean_image, left_out
 
 
 def main(argv=None):
     """Run a method (and/or its +ReCL variant) over `--seeds` seeds; one JSON file per run."""
-    cfg = cli.make_parser().parse_args(argv)
-    cli.check_args(cfg)
-    log = (lambda *a: None) if cfg.quiet else (lambda *a: print(*a, flush=True))
-    variants = {"both": [False, True], "base": [False], "recl": [True]}[cfg.variant]
-    variants = [False] if cfg.method == "joint" else variants
-    per_task = run_settings(cfg, cfg.seed, False).classes_per_task
-    results, failed = {}, []
-    for seed in range(cfg.seed, cfg.seed + cfg.seeds):
-        tasks, class_order, mean_image = data.make_tasks(cfg.dataset, seed, cfg.n_per_class, cfg.scenario,
-                                                         per_task, cfg.data_root)
-        if cfg.validation:
-            tasks = data.validation_split(tasks, 0.2, seed)
-        for use_recl in variants:
-            run = run_settings(cfg, seed, use_recl)
-            name = variant_name(cfg.method, use_recl, run.rec_objective)
-            log(f"{describe(run, use_recl)} | class order {class_order}")
-            judge = lambda old_tasks, x_rec: report_reconstruction(name, old_tasks, x_rec, run, mean_image, log)
-            record = timed_run(run, tasks, cfg.method, use_recl, log, mean_image, judge)
-            record.update(class_order=class_order, config=vars(run), provenance=cli.provenance())
-            path = result_path(cfg.out, cfg, cfg.method, use_recl, seed)
-            write_json_atomically(path, record)
-            if record["diverged"]:
-                failed.append(f"{name} {cfg.scenario} seed {seed} diverged: {record['diverged']} "
-                              f"(lr {run.lr:g}); marked so in {path}, never averaged")
-                continue
-            bwt = "n/a" if record["BWT"] is None else f"{record['BWT']:.2f}"
-            print(f"{name} {cfg.scenario} seed {seed}: ACC {record['ACC']:.2f} BWT {bwt} "
-                  f"in {record['seconds']:.0f}s -> {path}", flush=True)
-            results.setdefault(name, []).append(record["ACC"])
+    args = config.make_parser().parse_args(argv)
+    config.check(args)
+    log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
+    runs = [config.resolve(args, seed, variant) for seed in range(args.seed, args.seed + (args.seeds or 1))
+            for variant in config.variants(args)]
+    for cfg in runs[::len(config.variants(args))]:  # the data each seed gets, checked before any task trains
+        tasks, _, _, left_out = make_tasks(cfg)
+        config.check_tasks(tasks, cfg)
+        if left_out:  # the class order decides which; the run's JSON records them
+            print(f"note: seed {cfg.seed} leaves out class(es) {left_out}: they fill no whole task of "
+                  f"{cfg.classes_per_task} classes", flush=True)
+    results, failed, loaded = {}, [], None
+    for cfg in runs:
+        if loaded is None or loaded[0] != cfg.seed:
+            loaded = (cfg.seed, *make_tasks(cfg))
+        _, tasks, class_order, mean_image, left_out = loaded
+        name = config.variant_name(cfg.method, cfg.variant)
+        path = config.result_path(args.out, cfg)
+        log(f"{config.describe(cfg)} | class order {class_order}")
+        image_path = path.with_suffix("") if args.save_images else None
+        judge = lambda old, x_rec: judging.report_reconstruction(name, old, x_rec, cfg, mean_image, image_path, log)
+        record = run_continual(cfg, tasks, log, judge, mean_image)
+        record.update(dataset=config.dataset_name(cfg.dataset), class_order=class_order, classes_left_out=left_out,
+                      config=dataclasses.asdict(cfg), digest=config.digest(cfg), provenance=config.provenance())
+        config.write_json_atomically(path, record)
+        if record["diverged"]:
+            failed.append(f"{name} {cfg.scenario} seed {cfg.seed} diverged: {record['diverged']} "
+                          f"(lr {cfg.lr:g}); marked so in {path}, never averaged")
+            continue
+        bwt = "n/a" if record["BWT"] is None else f"{record['BWT']:.2f}"
+        flagged = record["failed_reconstructions"]
+        print(f"{name} {cfg.scenario} seed {cfg.seed}: ACC {record['ACC']:.2f} BWT {bwt} in {record['seconds']:.0f}s"
+              + (f", {flagged} of {len(record['reconstructions'])} reconstructions FLAGGED (see the log)"
+                 if flagged else "") + f" -> {path}", flush=True)
+        results.setdefault(name, []).append(record["ACC"])
     for name, accs in results.items():
         if len(accs) > 1:
             log(f"{name}: mean ACC {sum(accs) / len(accs):.2f} over {len(accs)} seeds "
-                f"(tables: python experiments.py aggregate {cfg.out})")
+                f"(tables: python experiments.py aggregate {args.out})")
     if failed:
         raise RunFailed("; ".join(failed))
 
 
 if __name__ == "__main__":
-    cli.run_from_command_line(main, "recl.py")
+    config.run_from_command_line(main, "recl.py")

@@ -12,10 +12,13 @@
 #   SWEEP="m 10 25 50 75 125" METHODS=finetune bash run_all.sh   # a sensitivity study:
 #                                        # one folder per value, RESULTS/m-10, ..., each run with --m 10, ...
 #
-# Resumable: each run writes its own JSON atomically, and a run whose JSON
-# exists is skipped, so an interrupted run_all.sh loses at most the runs in flight.
-# Unless it is stale: a result whose recorded settings differ from what its
-# command would use now (say, after a default changed) is named and rerun.
+# QUICK=1 is a smoke test: its numbers mean nothing.
+# Resumable: each run writes its own JSON atomically, named by its config's
+# digest, and a run whose JSON exists is skipped, so an interrupted run_all.sh
+# loses at most the runs in flight. After a default changes, the same command
+# is another config, so it runs again beside the old result.
+# A run that fails is named in one line; the others go on, the table is made
+# from what finished, and run_all.sh exits non-zero.
 # Without RESULTS=..., QUICK=1 and extra arguments choose their own folder.
 # Datasets that cannot be loaded (say, CIFAR10 on a machine without internet)
 # are skipped with one line saying why.
@@ -34,13 +37,29 @@ TUNE=${TUNE:-0}
 DATA_ROOT=${DATA_ROOT:-data}
 PYTHON=${PYTHON:-python}
 EXTRA=("$@")
+refuse() { echo "run_all: $1" >&2; exit 2; }
+within() {  # within KNOB "VALUES" "ALLOWED": every value is one of the allowed words
+  local value
+  for value in $2; do
+    [[ " $3 " == *" $value "* ]] || refuse "$1=\"$2\": $value is not one of: $3"
+  done
+  [ -n "${2// /}" ] || refuse "$1 is empty; it takes some of: $3"
+}
+[[ "$SEEDS" =~ ^[1-9][0-9]*$ ]] || refuse "SEEDS must be a whole number of seeds, at least 1, got \"$SEEDS\""
+[[ "$JOBS" =~ ^[1-9][0-9]*$ ]] || refuse "JOBS must be a whole number of workers, at least 1, got \"$JOBS\""
+within METHODS "$METHODS" "finetune ewc er upgd agem lwf gpm joint"
+within VARIANTS "$VARIANTS" "base recl inversion"
+within SCENARIOS "$SCENARIOS" "cil dil"
+for dataset in $DATASETS; do
+  [[ "$dataset" == *.pt ]] || within DATASETS "$dataset" "mnist mnist-full fashion-mnist cifar10 tinyimagenet"
+done
 # Runs with other settings get their own default folder (results/quick,
 # results/epochs_30, ...), so a finished run is never mistaken for one made
 # with different settings and skipped.
 SETTINGS=$(printf '%s ' "$@" | sed -E 's/(^| )--/\1/g; s/[^A-Za-z0-9.=-]+/_/g; s/_$//')
-if [ "${QUICK:-0}" = 1 ]; then  # presets; a knob or flag given explicitly wins over them
+QUICK=${QUICK:-0}
+if [ "$QUICK" = 1 ]; then  # presets; a knob, flag or SWEEP value given explicitly wins over them
   SEEDS=${SEEDS_GIVEN:-1}
-  EXTRA=(--epochs 5 --n-rec 20 ${EXTRA[@]+"${EXTRA[@]}"})  # later flags win in recl.py
   SETTINGS=quick${SETTINGS:+_$SETTINGS}
 fi
 DEFAULT_RESULTS=results
@@ -63,12 +82,6 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / JOBS > 0 ? $(nproc) / J
 
 every_run() {  # one shell command per run, finished or not
   for dataset in $DATASETS; do
-    if ! reason=$("$PYTHON" -c 'import sys, data
-try: data.load(sys.argv[1], sys.argv[2])
-except data.DataError as err: sys.exit(str(err))' "$dataset" "$DATA_ROOT" 2>&1); then
-      echo "skipping $dataset: ${reason##*$'\n'}" >&2
-      continue
-    fi
     for scenario in $SCENARIOS; do
       for method in $METHODS; do
         if [ "$TUNE" = 1 ]; then  # one validation search per method, on seed 0
@@ -83,11 +96,16 @@ except data.DataError as err: sys.exit(str(err))' "$dataset" "$DATA_ROOT" 2>&1);
             [ "$method" = joint ] && [ "$variant" != base ] && continue  # the bound has no +ReCL
             flags=(--variant "$variant")
             [ "$variant" = inversion ] && flags=(--variant recl --rec-objective inversion)
+            [ "$method" = joint ] && flags=()
+            quick=()  # QUICK's presets: fewer epochs, and fewer steps where there is a reconstruction
+            [ "$QUICK" = 1 ] && quick=(--epochs 5)
+            [ "$QUICK" = 1 ] && [ "$variant" != base ] && [ "$method" != joint ] && quick+=(--n-rec 20)
             for ((seed = 0; seed < SEEDS; seed++)); do
+              # later flags win in recl.py: QUICK's presets, then yours, then the sweep's value
               printf '%q ' "$PYTHON" recl.py --dataset "$dataset" --scenario "$scenario" \
-                --method "$method" "${flags[@]}" --seed "$seed" --out "$out" --quiet \
-                --data-root "$DATA_ROOT" ${point:+$point} \
-                ${EXTRA[@]+"${EXTRA[@]}"}
+                --method "$method" ${flags[@]+"${flags[@]}"} --seed "$seed" --out "$out" --quiet \
+                --data-root "$DATA_ROOT" ${quick[@]+"${quick[@]}"} \
+                ${EXTRA[@]+"${EXTRA[@]}"} ${point:+$point}
               echo
             done
           done
@@ -97,8 +115,9 @@ except data.DataError as err: sys.exit(str(err))' "$dataset" "$DATA_ROOT" 2>&1);
   done
 }
 
-# experiments.py pending keeps the runs without a result and those whose result was
-# made with other settings than the command would use now (stale; it names them).
+# experiments.py pending keeps the runs without a result for their config, skips the
+# datasets that cannot be loaded (saying why), and takes the +ReCL flags out of the
+# lines of the methods alone, which would refuse them.
 todo=$(every_run | "$PYTHON" experiments.py pending)
 count=$(printf '%s' "$todo" | grep -c . || true)
 echo "run_all: $count runs to do in $RESULTS/ with $JOBS job(s)"
@@ -107,6 +126,7 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
   exit 0
 fi
 start=$(date +%s)
+failed=0
 if [ "$count" -gt 0 ]; then
   # JOBS worker processes share the list, each claiming the next unclaimed run
   # (experiments.py queue): torch is imported once per worker, not once per run.
@@ -121,12 +141,7 @@ if [ "$count" -gt 0 ]; then
     "$PYTHON" experiments.py queue "$queue" &
     workers+=($!)
   done
-  failed=0
   for worker in "${workers[@]}"; do wait "$worker" || failed=1; done
-  if [ "$failed" = 1 ]; then
-    echo "run_all: some runs failed (named above); their results are missing or marked diverged" >&2
-    exit 1
-  fi
 fi
 echo "run_all: finished in $(( $(date +%s) - start ))s"
 if [ -z "$SWEEP_FLAG" ]; then
@@ -135,4 +150,8 @@ else
   while read -r out point; do
     echo "## $point"; echo; "$PYTHON" experiments.py aggregate "$out"; echo
   done < <(folders) | tee "$RESULTS/table-$SWEEP_FLAG.md"
+fi
+if [ "$failed" = 1 ]; then
+  echo "run_all: some runs failed (each named above as FAILED); the table holds the others" >&2
+  exit 1
 fi

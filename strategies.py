@@ -9,34 +9,22 @@ calls at fixed points:
 
 `loader` yields the task's *real* training data as (x, y) batches, in a fixed
 order; `state` is a plain dict the strategy keeps across tasks, starting from
-its hyperparameters (`HYPERPARAMETERS`). ReCL needs no hook at all: it only
-adds reconstructed samples to the training data, so it composes with every
-strategy here (its own settings live in recl.py).
+its hyperparameters (`STRATEGIES`, at the end). ReCL needs no hook at all: it
+only adds reconstructed samples to the training data, so it composes with every
+strategy here. Which settings each method runs with is in config.PRESETS.
 """
 import copy
+import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
-# Each method's own hyperparameters, in one place. HYPERPARAMETERS are the
-# literature defaults a strategy's state starts from; SEARCH_GRID is what
-# `python experiments.py tune` tries on a validation split carved from the training
-# data (never the test set), together with TRAINING_GRID; TUNED holds what that
-# search chose, per scenario. See docs/hyperparameters.md for how and when.
-HYPERPARAMETERS = {
-    "finetune": {},
-    "ewc": {"ewc_lambda": 100.0},                          # Kirkpatrick et al. 2017
-    "er": {"er_fraction": 0.1},                            # buffer: 10% of each task (paper App. D.2)
-    "upgd": {"upgd_beta": 0.999, "upgd_sigma": 0.001,      # Elsayed & Mahmood 2024
-             "upgd_weight_decay": 0.0},
-    "agem": {"agem_patterns_per_task": 50, "agem_batch": 256},  # Chaudhry et al. 2019
-    "lwf": {"lwf_lambda": 1.0, "lwf_temperature": 2.0},    # Li & Hoiem 2017
-    "gpm": {"gpm_threshold": 0.99, "gpm_samples": 300},    # Saha et al. 2021
-    "joint": {},  # not a strategy: the upper bound, one model on all tasks at once (recl.run_jointly)
-}
-
+# What `python experiments.py tune` searches on a validation split carved from the
+# training data (never the test set): TRAINING_GRID for every method, SEARCH_GRID
+# for each method's own hyperparameters. What it chose is in config.PRESETS
+# (docs/hyperparameters.md has how and when).
 TRAINING_GRID = {"lr": [0.01, 0.05, 0.1], "epochs": [10, 20, 40]}
 SEARCH_GRID = {  # the ER buffer size is a memory budget, fixed like the paper's, not tuned
     "finetune": {}, "er": {},
@@ -47,44 +35,34 @@ SEARCH_GRID = {  # the ER buffer size is a memory budget, fixed like the paper's
     "lwf": {"lwf_lambda": [0.5, 1.0, 2.0, 5.0], "lwf_temperature": [1.0, 2.0, 4.0]},
     "gpm": {"gpm_threshold": [0.9, 0.95, 0.97, 0.99]},
 }
-DEFAULT_TRAINING = {"lr": 0.05, "epochs": 20}
-# Chosen by `TUNE=1 JOBS=2 bash run_all.sh` (10 random draws per method, seed 0,
-# ACC without ReCL on 20% of the training images held out; docs/hyperparameters.md).
-TUNED = {
-    "cil": {
-        "finetune": {"lr": 0.01, "epochs": 10},
-        "ewc": {"lr": 0.01, "epochs": 20, "ewc_lambda": 1000.0},
-        "er": {"lr": 0.05, "epochs": 20},
-        "upgd": {"lr": 0.01, "epochs": 10, "upgd_beta": 0.99, "upgd_sigma": 0.001},
-        "agem": {"lr": 0.05, "epochs": 40, "agem_patterns_per_task": 100},
-        "lwf": {"lr": 0.01, "epochs": 20, "lwf_lambda": 0.5, "lwf_temperature": 4.0},
-        "gpm": {"lr": 0.01, "epochs": 20, "gpm_threshold": 0.9},
-        "joint": {"lr": 0.1, "epochs": 80},  # ties 0.05/160 (88.5) at half the time; docs/attribution.md
-    },
-    "dil": {
-        "finetune": {"lr": 0.01, "epochs": 10},
-        "ewc": {"lr": 0.01, "epochs": 20, "ewc_lambda": 10000.0},
-        "er": {"lr": 0.1, "epochs": 10},
-        "upgd": {"lr": 0.01, "epochs": 20, "upgd_beta": 0.99, "upgd_sigma": 0.0001},
-        "agem": {"lr": 0.05, "epochs": 40, "agem_patterns_per_task": 50},
-        "lwf": {"lr": 0.05, "epochs": 20, "lwf_lambda": 2.0, "lwf_temperature": 2.0},
-        "gpm": {"lr": 0.1, "epochs": 20, "gpm_threshold": 0.9},
-        "joint": {"lr": 0.1, "epochs": 40},  # ties 80 and 160 epochs (90.5)
-    },
-}
 
 
-def settings(method, scenario):
-    """lr, epochs and the method's own hyperparameters a run starts from (recl.run_settings
-    adds the +ReCL variant's budget)."""
-    return {**DEFAULT_TRAINING, **HYPERPARAMETERS[method], **TUNED.get(scenario, {}).get(method, {})}
+def defaults(method):
+    """A method's own hyperparameters at their literature defaults ({} for joint)."""
+    return {k: spec[0] for k, spec in STRATEGIES.get(method, {}).get("hyperparameters", {}).items()}
+
+
+def check_hyperparameters(method, pairs, error=ValueError):
+    """(key, value) pairs from the command line as {key: value} of each default's type,
+    or `error` naming the first that is unknown, not a number, or out of its range."""
+    known = STRATEGIES.get(method, {}).get("hyperparameters", {})
+    checked = {}
+    for key, value in pairs:
+        if key not in known:
+            raise error(f"--hp {key}: {method} has {', '.join(known) or 'no hyperparameters'}")
+        default, meaning, valid = known[key]
+        whole = isinstance(default, int)
+        if value is None or not math.isfinite(value) or (whole and value != int(value)) or not valid(value):
+            raise error(f"--hp {key} must be {'a whole number ' if whole else ''}{meaning}, got {value}")
+        checked[key] = type(default)(value)
+    return checked
 
 
 def new_state(method, **overrides):
-    unknown = set(overrides) - set(HYPERPARAMETERS[method])
+    unknown = set(overrides) - set(defaults(method))
     if unknown:
         raise ValueError(f"{method} has no hyperparameter {sorted(unknown)}")
-    return {**HYPERPARAMETERS[method], **overrides}
+    return {**defaults(method), **overrides}
 
 
 def pad_to(tensor, shape):
@@ -308,12 +286,26 @@ def upgd_after_backward(model, state):
         p.grad = (p.grad + state["upgd_weight_decay"] * p.detach() + noise) * (1 - scaled)
 
 
+# Each method: its hooks, and each of its own hyperparameters as (literature
+# default, the range it must lie in, a test of that range). Adding a method is
+# its hooks above and one entry here.
+AT_LEAST_0 = (">= 0", lambda v: v >= 0)
+POSITIVE = ("> 0", lambda v: v > 0)
+FRACTION = ("in (0, 1]", lambda v: 0 < v <= 1)
 STRATEGIES = {
-    "finetune": {},
-    "ewc": {"extra_loss": ewc_loss, "after_task": ewc_after_task},
-    "er": {"extra_loss": er_loss, "after_task": er_after_task},
-    "upgd": {"after_backward": upgd_after_backward},
-    "agem": {"after_backward": agem_after_backward, "after_task": agem_after_task},
-    "lwf": {"extra_loss": lwf_loss, "after_task": lwf_after_task},
-    "gpm": {"after_backward": gpm_after_backward, "after_task": gpm_after_task},
+    "finetune": {"hooks": {}, "hyperparameters": {}},
+    "ewc": {"hooks": {"extra_loss": ewc_loss, "after_task": ewc_after_task},
+            "hyperparameters": {"ewc_lambda": (100.0, *AT_LEAST_0)}},                  # Kirkpatrick et al. 2017
+    "er": {"hooks": {"extra_loss": er_loss, "after_task": er_after_task},
+           "hyperparameters": {"er_fraction": (0.1, *FRACTION)}},                      # buffer: paper App. D.2
+    "upgd": {"hooks": {"after_backward": upgd_after_backward},                          # Elsayed & Mahmood 2024
+             "hyperparameters": {"upgd_beta": (0.999, "in [0, 1)", lambda v: 0 <= v < 1),
+                                 "upgd_sigma": (0.001, *AT_LEAST_0), "upgd_weight_decay": (0.0, *AT_LEAST_0)}},
+    "agem": {"hooks": {"after_backward": agem_after_backward, "after_task": agem_after_task},
+             "hyperparameters": {"agem_patterns_per_task": (50, *POSITIVE),             # Chaudhry et al. 2019
+                                 "agem_batch": (256, *POSITIVE)}},
+    "lwf": {"hooks": {"extra_loss": lwf_loss, "after_task": lwf_after_task},
+            "hyperparameters": {"lwf_lambda": (1.0, *AT_LEAST_0), "lwf_temperature": (2.0, *POSITIVE)}},  # Li & Hoiem
+    "gpm": {"hooks": {"after_backward": gpm_after_backward, "after_task": gpm_after_task},
+            "hyperparameters": {"gpm_threshold": (0.99, *FRACTION), "gpm_samples": (300, *POSITIVE)}},  # Saha et al.
 }

@@ -4,6 +4,7 @@ command line and the experiment machinery.
 
 Run with `python -m pytest -q`. Everything runs on tiny problems on the CPU.
 """
+import dataclasses
 import gzip
 import json
 import math
@@ -17,25 +18,37 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import grad, vmap
 
-import cli
+import config
 import data
-import models
 import experiments
+import judging
+import models
 import recl
 import strategies
 
 HERE = Path(__file__).resolve().parent
 
 
-def config(use_recl=True, **overrides):
-    """A +ReCL run's settings as recl.run_settings resolves them, with `overrides` standing
-    for flags given on the command line (lr 0.05 and 20 epochs unless given; float32, so
-    that every CPU gives the same numbers)."""
-    cfg = cli.make_parser().parse_args([])
-    cfg.device, cfg.rec_precision, cfg.lr, cfg.epochs, cfg.hp = "cpu", "float32", 0.05, 20, []
+def run_config(variant="recl", **overrides):
+    """A run's Config as config.resolve makes it, with `overrides` standing for flags given on
+    the command line (lr 0.05 and 20 epochs unless given; float32 on the CPU, so that every
+    CPU gives the same numbers). rec_objective="inversion" makes it the inversion variant."""
+    args = config.make_parser().parse_args([])
+    args.device, args.lr, args.epochs, args.hp = "cpu", 0.05, 20, {}
+    if overrides.get("rec_objective") == "inversion":
+        variant = "inversion"
+    if variant != "base":
+        args.rec_precision = "float32"
     for k, v in overrides.items():
-        setattr(cfg, k, v)
-    return recl.run_settings(cfg, cfg.seed, use_recl)
+        setattr(args, k, v)
+    return config.resolve(args, args.seed, variant)
+
+
+def objective_terms(model, cfg, labels, x, lam, fixed=None, m=None):
+    """The loss terms Step 1 minimises for this run's config, at candidates x and lambdas lam."""
+    net = models.with_smooth_relu(model, cfg.alpha).eval()
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    return recl.objective_of(model, cfg, fixed, m)(net, params, labels, cfg)(x, lam)
 
 
 def synthetic_tasks(scenario, n_tasks=3, per_class=6, shape=(1, 4, 4), seed=0):
@@ -48,6 +61,12 @@ def synthetic_tasks(scenario, n_tasks=3, per_class=6, shape=(1, 4, 4), seed=0):
         return 0.5 * centres[y] + 0.05 * torch.randn(len(y), *shape, generator=g), y
     (xtr, ytr), (xte, yte) = sample(per_class), sample(per_class)
     return data.split_into_tasks(xtr, ytr, xte, yte, list(range(n_classes)), 2, scenario)
+
+
+def step1(model, labels, input_shape, cfg, log=lambda *a: None):
+    """recl.reconstruct with the run's departures (or the control) as its objective:
+    the candidates, their lambdas and the report."""
+    return recl.reconstruct(model, labels, input_shape, cfg, log, recl.objective_of(model, cfg))
 
 
 def nearest_cosine(candidates, reference):
@@ -129,52 +148,55 @@ def test_targets_are_the_weights_or_the_displacement_relative_to_its_size():
 def test_displacement_target_needs_the_initial_weights():
     model = models.MLP(16, 2, hidden=8)  # built directly: no theta_0 remembered
     with pytest.raises(ValueError, match="initial weights"):
-        recl.reconstruct(model, torch.tensor([0, 1]), (16,), config(n_rec=1, rec_target="displacement"),
-                         log=lambda *a: None)
-    assert recl.reconstruct(model, torch.tensor([0, 1]), (16,), config(n_rec=1, rec_target="weights"),
-                            log=lambda *a: None)[3]["steps"] == 1
+        step1(model, torch.tensor([0, 1]), (16,), run_config(n_rec=1, rec_target="displacement"))
+    assert step1(model, torch.tensor([0, 1]), (16,), run_config(n_rec=1, rec_target="weights"))[2]["steps"] == 1
 
 
-def test_an_inversion_step_follows_the_gradient_of_cross_entropy_plus_prior():
-    """--rec-objective inversion: the first SGD step moves each candidate by -lr_x times the
-    gradient of sum_i CE(f(x_i), y_i) + L_prior (through the same smooth-backward network as
-    Eq. 3), leaves the lambdas alone, and is not the stationarity step."""
+def test_the_inversion_objective_is_cross_entropy_plus_prior_and_ignores_the_lambdas():
+    """--rec-objective inversion: L_inv = sum_i CE(f(x_i), y_i) + L_prior through the same
+    smooth-backward network as Eq. 3, so its gradient moves the candidates along that and
+    leaves the lambdas alone; it is not Eq. 6's gradient."""
     torch.manual_seed(0)
     model = models.remember_start(models.MLP(16, 3, hidden=12))
     labels = torch.tensor([0, 1, 2, 0, 1, 2])
-    cfg = config(n_rec=1, rec_objective="inversion", lr_x=0.5, sigma_x=0.7)  # some pixels outside [-1, 1]
+    cfg = run_config(rec_objective="inversion", sigma_x=0.7)  # some pixels outside [-1, 1]
     x0, lam0 = recl.initial_candidates(len(labels), (16,), cfg.sigma_x, cfg.seed)
     assert (x0.abs() > 1).any()
-    x1, _, lam1, _ = recl.reconstruct(model, labels, (16,), cfg, log=lambda *a: None)
+    x, lam = x0.clone().requires_grad_(), lam0.clone().requires_grad_()
+    terms = objective_terms(model, cfg, labels, x, lam)
+    assert set(terms) == {"ce", "prior"}
+    gx, glam = torch.autograd.grad(sum(terms.values()), (x, lam), allow_unused=True)
     candidates = x0.clone().requires_grad_()
     net = models.with_smooth_relu(model, cfg.alpha)
     loss = F.cross_entropy(net(candidates), labels, reduction="sum") + F.relu(candidates.abs() - 1).pow(2).sum()
     loss.backward()
-    torch.testing.assert_close(x1, x0 - cfg.lr_x * candidates.grad)
-    torch.testing.assert_close(lam1, lam0)
-    stationarity, _, _, _ = recl.reconstruct(model, labels, (16,), config(n_rec=1, lr_x=0.5, sigma_x=0.7),
-                                             log=lambda *a: None)
-    assert not torch.allclose(stationarity, x1)
+    torch.testing.assert_close(gx, candidates.grad)
+    assert glam is None or not glam.any()
+    eq6 = objective_terms(model, run_config(sigma_x=0.7), labels, x, lam)
+    assert not torch.allclose(torch.autograd.grad(sum(eq6.values()), x)[0], gx)
 
 
 def test_the_ce_weight_adds_exactly_its_share_of_the_inversion_gradient():
-    """Departure 5: with --ce-weight w, the first step differs from Eq. 6's alone by
-    -lr_x * w * grad sum_i CE(f(x_i), y_i), and the lambdas' step not at all."""
+    """Departure 5: with --ce-weight w, the gradient differs from Eq. 6's alone by
+    w * grad sum_i CE(f(x_i), y_i), and the lambdas' gradient not at all."""
     torch.manual_seed(0)
     model = models.remember_start(models.MLP(16, 3, hidden=12))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))  # a displacement to fit
     labels = torch.tensor([0, 1, 2, 0, 1, 2])
-    run = lambda w: recl.reconstruct(model, labels, (16,), config(n_rec=1, lr_x=0.5, sigma_x=0.3, ce_weight=w),
-                                     log=lambda *a: None)
-    (x_plain, _, lam_plain, _), (x_mixed, _, lam_mixed, report) = run(0.0), run(0.25)
-    x0, _ = recl.initial_candidates(len(labels), (16,), 0.3, 0)
+    x0, lam0 = recl.initial_candidates(len(labels), (16,), 0.3, 0)
+    x, lam = x0.clone().requires_grad_(), lam0.clone().requires_grad_()
+
+    def gradients(w):
+        terms = objective_terms(model, run_config(ce_weight=w), labels, x, lam)
+        return terms, torch.autograd.grad(sum(terms.values()), (x, lam))
+    (plain, (gx_plain, glam_plain)), (mixed, (gx_mixed, glam_mixed)) = gradients(0.0), gradients(0.25)
     candidates = x0.clone().requires_grad_()
-    F.cross_entropy(models.with_smooth_relu(model, config().alpha)(candidates), labels, reduction="sum").backward()
-    torch.testing.assert_close(x_mixed - x_plain, -0.5 * 0.25 * candidates.grad)
-    torch.testing.assert_close(lam_mixed, lam_plain)
-    assert set(report["first_terms"]) == {"rec", "lambda", "prior", "ce"}
+    F.cross_entropy(models.with_smooth_relu(model, 100.0)(candidates), labels, reduction="sum").backward()
+    torch.testing.assert_close(gx_mixed - gx_plain, 0.25 * candidates.grad)
+    torch.testing.assert_close(glam_mixed, glam_plain)
+    assert set(mixed) == {"rec", "lambda", "prior", "ce"} and set(plain) == {"rec", "lambda", "prior"}
 
 
 def test_fixed_candidates_part_computed_once_gives_the_same_loss_and_gradients():
@@ -189,10 +211,10 @@ def test_fixed_candidates_part_computed_once_gives_the_same_loss_and_gradients()
     free_x, free_lam = x[~fixed].clone().requires_grad_(), lam[~fixed].clone().requires_grad_()
     fixed_part = recl.weighted_gradient_sum(net, params, x[fixed], y[fixed], lam[fixed], m=6)
     rest = {k: target[k] - fixed_part[k] for k in target}
-    l_once = recl.reconstruction_losses(net, params, rest, 1.0, free_x, y[~fixed], free_lam, 0.05, m=6)["rec"]
+    l_once = recl.stationarity_loss(net, params, y[~fixed], rest, 0.05, m=6)(free_x, free_lam)["rec"]
     all_x, all_lam = x.clone(), lam.clone()
     all_x[~fixed], all_lam[~fixed] = free_x, free_lam  # the same free tensors, inside the full set
-    l_full = recl.reconstruction_losses(net, params, target, 1.0, all_x, y, all_lam, 0.05)["rec"]
+    l_full = recl.stationarity_loss(net, params, y, target, 0.05)(all_x, all_lam)["rec"]
     assert torch.allclose(l_once, l_full, rtol=1e-5)
     grads_once = torch.autograd.grad(l_once, (free_x, free_lam))
     grads_full = torch.autograd.grad(l_full, (free_x, free_lam))
@@ -231,9 +253,9 @@ def trained_on_eight_digits():
 
 def test_reconstruction_recovers_training_data(trained_on_eight_digits):
     model, x = trained_on_eight_digits
-    cfg = config(n_rec=1000, rec_target="weights", ce_weight=0.0)  # Eq. 3 as written, lr_x 1
+    cfg = run_config(n_rec=1000, paper=True)  # Eq. 3 as written, lr_x 1
     labels_rec = recl.candidate_labels(2, 8, 1, "cil")
-    x_rec, _, _, report = recl.reconstruct(model, labels_rec, (1, 28, 28), cfg, log=lambda *a: None)
+    x_rec, _, report = recl.reconstruct(model, labels_rec, (1, 28, 28), cfg, log=lambda *a: None)
     # cosine similarity of each training image to its nearest reconstruction,
     # against the same for random candidates (measured: about 0.65 vs 0.08)
     found = nearest_cosine(x_rec, x)
@@ -250,8 +272,8 @@ def test_displacement_is_a_gradient_combination_and_the_weights_are_not(trained_
     labels_rec = recl.candidate_labels(2, 8, 1, "cil")
     unexplained = {}
     for target in ("displacement", "weights"):
-        cfg = config(n_rec=300, rec_target=target, ce_weight=0.0)
-        _, _, _, report = recl.reconstruct(model, labels_rec, (1, 28, 28), cfg, log=lambda *a: None)
+        cfg = run_config(n_rec=300, rec_target=target, ce_weight=0.0)
+        _, _, report = step1(model, labels_rec, (1, 28, 28), cfg)
         unexplained[target] = report["last_terms"]["rec"] / report["first_terms"]["rec"]
     # measured: 0.03 and 0.81
     assert unexplained["displacement"] < 0.1 < 0.5 < unexplained["weights"], unexplained
@@ -259,13 +281,13 @@ def test_displacement_is_a_gradient_combination_and_the_weights_are_not(trained_
 
 def test_bfloat16_reconstruction_fits_like_float32(trained_on_eight_digits):
     """--rec-precision bfloat16 runs the step's products in bfloat16 (the candidates
-    differ from float32's) and fits the displacement as well (cli.reconstruction_precision)."""
+    differ from float32's) and fits the displacement as well (config.reconstruction_precision)."""
     model, x = trained_on_eight_digits
     labels_rec = recl.candidate_labels(2, 8, 1, "cil")
     found, unexplained = {}, {}
     for precision in ("float32", "bfloat16"):
-        cfg = config(n_rec=300, rec_target="displacement", rec_precision=precision)
-        x_rec, _, _, report = recl.reconstruct(model, labels_rec, (1, 28, 28), cfg, log=lambda *a: None)
+        cfg = run_config(n_rec=300, rec_target="displacement", rec_precision=precision)
+        x_rec, _, report = step1(model, labels_rec, (1, 28, 28), cfg)
         found[precision], unexplained[precision] = x_rec, report["last_terms"]["rec"] / report["first_terms"]["rec"]
     assert not torch.equal(found["float32"], found["bfloat16"])
     # measured: 0.034 for both, nearest cosine 0.667 for both
@@ -276,13 +298,13 @@ def test_bfloat16_reconstruction_fits_like_float32(trained_on_eight_digits):
 
 def test_auto_precision_is_bfloat16_only_on_a_cpu_with_bfloat16_instructions(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert cli.reconstruction_precision("auto", cuda) == "float32"
+    assert config.reconstruction_precision("auto", cuda) == "float32"
     for precision in ("float32", "bfloat16"):
-        assert cli.reconstruction_precision(precision, cpu) == cli.reconstruction_precision(precision, cuda) == precision
+        assert config.reconstruction_precision(precision, cpu) == config.reconstruction_precision(precision, cuda) == precision
     for capabilities, expected in (({"avx512_bf16": True}, "bfloat16"), ({"amx_bf16": True}, "bfloat16"),
                                    ({"avx512_bf16": False, "avx2": True}, "float32")):
         monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: capabilities)
-        assert cli.reconstruction_precision("auto", cpu) == expected
+        assert config.reconstruction_precision("auto", cpu) == expected
 
 
 def test_inverted_candidates_are_classified_as_their_labels(trained_on_eight_digits):
@@ -290,41 +312,75 @@ def test_inverted_candidates_are_classified_as_their_labels(trained_on_eight_dig
     labels = recl.candidate_labels(2, 8, 1, "cil")
     start, _ = recl.initial_candidates(len(labels), (1, 28, 28), 1e-3, 0)
     before = recl.classified_as_labelled(model, start, labels).float().mean()
-    x_rec, y_rec, _, report = recl.reconstruct(model, labels, (1, 28, 28), config(rec_objective="inversion"),
-                                               log=lambda *a: None)
-    after = recl.classified_as_labelled(model, x_rec, y_rec).float().mean()
+    x_rec, _, report = step1(model, labels, (1, 28, 28), run_config(rec_objective="inversion"))
+    after = recl.classified_as_labelled(model, x_rec, labels).float().mean()
     assert before == 0.5 and after == 1.0, (before, after)  # noise all lands in one class at first
     # measured: the summed cross-entropy falls from 11.1 to 0.93
     assert report["last_terms"]["ce"] < 0.2 * report["first_terms"]["ce"] and "rec" not in report["last_terms"]
 
 
-def test_nonfinite_reconstruction_is_dropped_not_trained_on():
+def test_a_reconstruction_that_overflows_hands_back_its_best_finite_candidates_flagged():
     torch.manual_seed(0)
     model = models.remember_start(models.MLP(16, 2, hidden=8))
-    cfg = config(n_rec=50, lr_x=1e30, lr_lambda=1e30)
-    messages = []
-    x, y, lam, report = recl.reconstruct(model, torch.tensor([0, 1] * 4), (16,), cfg, log=messages.append)
+    cfg = run_config(n_rec=50, lr_x=1e30, lr_lambda=1e30)
+    x, lam, report = step1(model, torch.tensor([0, 1] * 4), (16,), cfg)
     assert torch.isfinite(x).all() and x.abs().max() < 1e6  # the state before it blew up
     assert torch.isfinite(lam).all()  # the lambdas too: kept candidates carry them into the next task
-    assert len(x) == len(y) == report["finite"] <= 8
-    assert any("not finite" in m for m in messages)
+    assert len(x) == len(lam) == 8 and report["steps"] < 50
+    assert report["failed"].startswith("diverged at step")
 
 
-def test_a_reconstruction_that_blows_up_gradually_keeps_its_best_candidates(monkeypatch):
+def test_a_reconstruction_that_blows_up_gradually_keeps_its_best_candidates():
     """A loss that climbs for dozens of steps before it overflows leaves the last finite
     candidates enormous, and training on them gives NaN (seen with the CNN at lr_x 3):
     the fallback is the lowest loss seen. Here the loss is sum x^2 at too large a step,
     so every step multiplies x and the lowest loss is the start."""
     torch.manual_seed(0)
     model = models.remember_start(models.MLP(16, 2, hidden=8))
-    monkeypatch.setattr(recl, "reconstruction_losses", lambda *args: {"rec": args[4].float().pow(2).sum()})
-    cfg = config(n_rec=500, lr_x=2.0, ce_weight=0.0)
+    cfg = run_config(n_rec=500, lr_x=2.0)
     start, _ = recl.initial_candidates(8, (16,), cfg.sigma_x, cfg.seed)
-    x, y, lam, report = recl.reconstruct(model, torch.tensor([0, 1] * 4), (16,), cfg, log=lambda *a: None)
-    assert 10 < report["steps"] < 500 and report["diverged"]  # it climbed, then overflowed
+    square = lambda net, params, labels, cfg: lambda x, lam: {"rec": x.pow(2).sum()}
+    x, lam, report = recl.reconstruct(model, torch.tensor([0, 1] * 4), (16,), cfg, lambda *a: None, square)
+    assert 10 < report["steps"] < 500 and report["failed"].startswith("diverged")  # it climbed, then overflowed
     torch.testing.assert_close(x, start)
     # the report describes the candidates returned: the start's loss, not the overflow
     assert report["last_loss"] == report["first_loss"] == report["last_terms"]["rec"]
+
+
+@pytest.mark.parametrize("n_rec", [1, 5, 40])
+def test_a_reconstruction_ends_at_its_lowest_loss_at_any_number_of_steps(n_rec):
+    """The candidates returned are those with the lowest loss among every iterate, the
+    last step's included: a loss that falls and then climbs back (momentum past the
+    bottom of x^2 - 0.5 x) keeps its bottom, and a run that climbs is flagged."""
+    model = models.remember_start(models.MLP(4, 2, hidden=3))
+    seen = []
+
+    def bowl(net, params, labels, cfg):
+        def loss(x, lam):
+            value = (x.pow(2) - 0.5 * x).sum()
+            seen.append((value.item(), x.detach().clone()))
+            return {"rec": value}
+        return loss
+    cfg = run_config(n_rec=n_rec, lr_x=0.9, sigma_x=1.0)
+    x, _, report = recl.reconstruct(model, torch.tensor([0, 1]), (4,), cfg, lambda *a: None, bowl)
+    assert len(seen) == n_rec + 1  # every step's candidates scored, the last step's too
+    lowest, best = min(seen, key=lambda pair: pair[0])
+    torch.testing.assert_close(x, best)
+    assert report["last_loss"] == lowest and report["final_loss"] == seen[-1][0]
+    assert (report["failed"] is not None) == (seen[-1][0] > seen[0][0] or lowest >= seen[0][0])
+
+
+def test_a_huge_step_size_ends_no_worse_than_the_start_and_is_flagged(tmp_path, capsys):
+    """`--lr-x 1e6 --n-rec 5`: every reconstruction ends at a loss no higher than its first,
+    and the run says so in its JSON, its summary line and the aggregate table."""
+    recl.main(["--variant", "recl", "--lr-x", "1e6", "--n-rec", "5", "--epochs", "1", "--n-per-class", "10",
+               "--out", str(tmp_path), "--quiet", "--rec-precision", "float32"])
+    record = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert record["reconstructions"] and all(r["last_loss"] <= r["first_loss"] for r in record["reconstructions"])
+    assert record["failed_reconstructions"] == len(record["reconstructions"]) == 4
+    assert "4 of 4 reconstructions FLAGGED" in capsys.readouterr().out
+    table = experiments.aggregate(tmp_path, lambda *a: None)
+    assert "| 4/4 |" in table
 
 
 def test_earlier_reconstructions_stay_fixed_and_new_classes_start_from_noise():
@@ -338,9 +394,10 @@ def test_earlier_reconstructions_stay_fixed_and_new_classes_start_from_noise():
     labels = recl.candidate_labels(4, 3, 2, "cil")  # classes 0-3, three candidates each
     earlier_labels = torch.tensor([0, 0, 0, 1, 1])  # class 1 had one candidate filtered out
     earlier_x, earlier_lam = torch.randn(5, 16), torch.rand(5)
-    cfg = config(n_rec=20, m=3)
-    x, y, lam, report = recl.reconstruct(model, labels, (16,), cfg, lambda *a: None,
-                                         earlier=(earlier_x, earlier_labels, earlier_lam))
+    cfg = run_config(n_rec=20, m=3)
+    tasks = [data.Task([0, 1], torch.zeros(2, 16), torch.tensor([0, 1]), None, None)] * 2
+    x, y, lam, report = recl.reconstruct_old_data(model, tasks, cfg, lambda *a: None,
+                                                  earlier=(earlier_x, earlier_labels, earlier_lam))
     assert torch.equal(y, labels) and report["optimised"] == 7
     assert torch.equal(x[labels == 0], earlier_x[:3]) and torch.equal(lam[labels == 0], earlier_lam[:3])
     assert torch.equal(x[(labels == 1)][:2], earlier_x[3:]) and torch.equal(lam[labels == 1][:2], earlier_lam[3:])
@@ -358,7 +415,7 @@ def test_reconstruction_prints_progress_at_each_quarter():
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
     lines = []
-    recl.reconstruct(model, torch.tensor([0, 1]), (16,), config(n_rec=8), lines.append)
+    step1(model, torch.tensor([0, 1]), (16,), run_config(n_rec=8), lines.append)
     assert [l.split(":")[0].strip() for l in lines] == ["step 2/8", "step 4/8", "step 6/8"]
     assert all("loss" in l for l in lines)
 
@@ -530,7 +587,7 @@ def test_replay_noise_is_fresh_on_reconstructions_only_and_has_the_stated_size()
         seen.append(xb.detach().clone())
         return 0.0
 
-    cfg = config(replay_noise=0.5, epochs=2, batch_size=128, lr=0.0)
+    cfg = run_config(replay_noise=0.5, epochs=2, batch_size=128, lr=0.0)
     recl.train_task(nn.Sequential(nn.Flatten(), nn.Linear(64, 1)), x, y, {"extra_loss": record}, {}, cfg,
                     n_replayed=64)
     assert len(seen) == 2                                 # one batch per epoch, rows in shuffled order
@@ -544,26 +601,26 @@ def test_replay_noise_is_fresh_on_reconstructions_only_and_has_the_stated_size()
     # without replayed rows nothing changes at all
     seen.clear()
     recl.train_task(nn.Sequential(nn.Flatten(), nn.Linear(64, 1)), new, y[:64], {"extra_loss": record}, {},
-                    config(replay_noise=0.5, epochs=1, batch_size=64, lr=0.0))
+                    run_config(replay_noise=0.5, epochs=1, batch_size=64, lr=0.0))
     assert sorted(seen[0].flatten(1).tolist()) == sorted(new.flatten(1).tolist())
 
 
 def test_run_continual_passes_each_reconstruction_on_to_the_next(monkeypatch):
     tasks = synthetic_tasks("cil", n_tasks=3)
-    seen, real_reconstruct = [], recl.reconstruct
-    def spy(model, labels, input_shape, cfg, log=print, earlier=None):
+    seen, real_step1 = [], recl.reconstruct_old_data
+    def spy(model, old_tasks, cfg, log=print, earlier=None):
         seen.append(earlier)
-        out = real_reconstruct(model, labels, input_shape, cfg, log, earlier)
+        out = real_step1(model, old_tasks, cfg, log, earlier)
         seen.append(out[0].clone())
         return out
-    monkeypatch.setattr(recl, "reconstruct", spy)
-    recl.run_continual(config(epochs=2, n_rec=3, m=2, filter=False), tasks, "finetune", True, lambda *a: None)
+    monkeypatch.setattr(recl, "reconstruct_old_data", spy)
+    recl.run_continual(run_config(epochs=2, n_rec=3, m=2, filter=False), tasks, lambda *a: None)
     first_earlier, made_before_task_2, second_earlier, made_before_task_3 = seen
     assert first_earlier is None
     assert torch.equal(second_earlier[0], made_before_task_2) and len(second_earlier) == 3  # x, labels, lambdas
     assert torch.equal(made_before_task_3[:4], made_before_task_2)  # classes 0 and 1 kept as they were
     seen.clear()
-    recl.run_continual(config(epochs=2, n_rec=3, m=2, freeze_old=False), tasks, "finetune", True, lambda *a: None)
+    recl.run_continual(run_config(epochs=2, n_rec=3, m=2, freeze_old=False), tasks, lambda *a: None)
     assert seen[0] is None and seen[2] is None
 
 
@@ -573,7 +630,7 @@ def test_filtered_candidates_are_not_trained_on(monkeypatch):
     trained_on = []
     real_train = recl.train_task
     monkeypatch.setattr(recl, "train_task", lambda model, x, y, *a: trained_on.append(len(x)) or real_train(model, x, y, *a))
-    record = recl.run_continual(config(epochs=1, n_rec=2, m=4), tasks, "finetune", True, lambda *a: None)
+    record = recl.run_continual(run_config(epochs=1, n_rec=2, m=4), tasks, lambda *a: None)
     (report,) = record["reconstructions"]
     assert (report["candidates"], report["kept"]) == (8, 4)
     assert trained_on == [len(tasks[0].x_train), len(tasks[1].x_train) + 4]
@@ -583,18 +640,20 @@ def test_joint_bound_trains_one_model_on_all_tasks_and_has_no_bwt(tmp_path, monk
     heads, build = [], models.build_model
     monkeypatch.setattr(models, "build_model", lambda name, shape, n: heads.append(n) or build(name, shape, n))
     for scenario, outputs in (("cil", 6), ("dil", 2)):
-        record = recl.run_continual(config(scenario=scenario, epochs=10), synthetic_tasks(scenario), "joint", True,
-                                    log=lambda *a: None)
+        record = recl.run_continual(run_config("base", scenario=scenario, method="joint", epochs=10),
+                                    synthetic_tasks(scenario), log=lambda *a: None)
         assert record["method"] == "joint" and record["recl"] is False and record["BWT"] is None
         assert len(record["acc_matrix"]) == 1 and len(record["acc_matrix"][0]) == 3
         assert record["ACC"] == 100.0  # separable blobs, all seen together
         assert heads[-1] == outputs  # every class at once in CIL, the shared labels in DIL
-    recl.main(["--method", "joint", "--variant", "both", "--epochs", "1", "--n-per-class", "5",
-               "--out", str(tmp_path), "--quiet"])
-    assert [p.name for p in tmp_path.iterdir()] == ["mnist-cil-joint-seed0.json"]  # --variant does not apply
-    line = f"python recl.py --method joint --variant recl --epochs 1 --n-per-class 5 --out {tmp_path}"
+    recl.main(["--method", "joint", "--epochs", "1", "--n-per-class", "5", "--out", str(tmp_path), "--quiet"])
+    (written,) = [p.name for p in tmp_path.iterdir()]
+    assert written.startswith("mnist-cil-joint-") and written.endswith("-seed0.json")
+    line = f"python recl.py --method joint --epochs 1 --n-per-class 5 --out {tmp_path}"
     assert experiments.pending_runs([line]) == []  # the file it would write is the one just written
-    table = experiments.aggregate(tmp_path)
+    with pytest.raises(config.UsageError, match="nothing to reconstruct"):  # --variant recl would run plain joint
+        recl.main(["--method", "joint", "--variant", "recl", "--out", str(tmp_path)])
+    table = experiments.aggregate(tmp_path, lambda *a: None)
     assert "| joint | 1 |" in table and "| n/a |" in table
 
 
@@ -602,9 +661,10 @@ def test_joint_bound_trains_one_model_on_all_tasks_and_has_no_bwt(tmp_path, monk
 @pytest.mark.parametrize("method", list(strategies.STRATEGIES))
 def test_every_method_runs_with_and_without_recl(method, scenario):
     tasks = synthetic_tasks(scenario)
-    cfg = config(scenario=scenario, epochs=2, n_rec=3, m=2)
     for use_recl in (False, True):
-        record = recl.run_continual(cfg, tasks, method, use_recl, log=lambda *a: None)
+        cfg = run_config("recl" if use_recl else "base", method=method, scenario=scenario, epochs=2,
+                         **({"n_rec": 3, "m": 2} if use_recl else {}))
+        record = recl.run_continual(cfg, tasks, log=lambda *a: None)
         R = record["acc_matrix"]
         assert all(R[t][i] is not None for t in range(3) for i in range(t + 1))
         assert all(R[t][i] is None for t in range(3) for i in range(t + 1, 3))
@@ -621,17 +681,17 @@ def test_recl_helps_finetune_remember_on_synthetic_cil():
     # lr_x 1: on these 16-pixel blobs the MNIST default of 3 diverges (the run then
     # falls back to its lowest-loss candidates, which are no use). Eq. 6 alone: on these
     # blobs departure 5's cross-entropy, chosen on MNIST, costs BWT (-8.75 -> -11.25; base -10)
-    cfg = config(scenario="cil", epochs=10, lr=0.05, n_rec=100, m=20, lr_x=1.0, ce_weight=0.0)
+    cfg = run_config(scenario="cil", epochs=10, lr=0.05, n_rec=100, m=20, lr_x=1.0, ce_weight=0.0)
     quiet = lambda *a: None
-    base = recl.run_continual(cfg, tasks, "finetune", False, quiet)
-    with_recl = recl.run_continual(cfg, tasks, "finetune", True, quiet)
+    base = recl.run_continual(run_config("base", scenario="cil", epochs=10, lr=0.05), tasks, quiet)
+    with_recl = recl.run_continual(cfg, tasks, quiet)
     assert with_recl["BWT"] > base["BWT"]
 
 
 def test_same_seed_gives_same_numbers():
     tasks = synthetic_tasks("cil")
-    cfg = config(epochs=2, n_rec=5, m=2)
-    runs = [recl.run_continual(cfg, tasks, "ewc", True, lambda *a: None) for _ in range(2)]
+    cfg = run_config(method="ewc", epochs=2, n_rec=5, m=2)
+    runs = [recl.run_continual(cfg, tasks, lambda *a: None) for _ in range(2)]
     assert runs[0]["acc_matrix"] == runs[1]["acc_matrix"]
 
 
@@ -643,17 +703,17 @@ def test_ssim_identical_is_one_symmetric_and_lowered_by_noise():
     torch.manual_seed(0)
     a = torch.rand(3, 1, 28, 28)
     b = (a + 0.2 * torch.randn_like(a)).clamp(0, 1)
-    torch.testing.assert_close(recl.ssim(a, a), torch.ones(3))
-    torch.testing.assert_close(recl.ssim(a, b), recl.ssim(b, a))
-    assert (recl.ssim(a, b) < 0.9).all()
+    torch.testing.assert_close(judging.ssim(a, a), torch.ones(3))
+    torch.testing.assert_close(judging.ssim(a, b), judging.ssim(b, a))
+    assert (judging.ssim(a, b) < 0.9).all()
     more = (a + 0.5 * torch.randn_like(a)).clamp(0, 1)
-    assert (recl.ssim(a, more) < recl.ssim(a, b)).all()
+    assert (judging.ssim(a, more) < judging.ssim(a, b)).all()
     # hand check on constant images: SSIM = (2 mu_a mu_b + c1) / (mu_a^2 + mu_b^2 + c1)
     c1 = 0.01 ** 2
     flat_a = torch.full((1, 1, 11, 11), 0.2, dtype=torch.float64)
     flat_b = torch.full((1, 1, 11, 11), 0.6, dtype=torch.float64)
     expected = (2 * 0.2 * 0.6 + c1) / (0.2 ** 2 + 0.6 ** 2 + c1)
-    assert recl.ssim(flat_a, flat_b).item() == pytest.approx(expected, rel=1e-5)
+    assert judging.ssim(flat_a, flat_b).item() == pytest.approx(expected, rel=1e-5)
 
 
 def test_nearest_candidates_finds_shuffled_rescaled_copies():
@@ -661,9 +721,9 @@ def test_nearest_candidates_finds_shuffled_rescaled_copies():
     reference = torch.randn(10, 1, 8, 8)
     order = torch.randperm(10)
     candidates = torch.cat([3.0 * reference[order] + 0.01 * torch.randn(10, 1, 8, 8), torch.randn(5, 1, 8, 8)])
-    nearest = recl.nearest_candidates(reference, candidates)
+    nearest = judging.nearest_candidates(reference, candidates)
     assert torch.equal(order[nearest], torch.arange(10))
-    scores, _ = recl.reconstruction_quality(reference, candidates, torch.zeros(1, 8, 8))
+    scores, _ = judging.reconstruction_quality(reference, candidates, torch.zeros(1, 8, 8))
     assert (scores > 0.95).all()
 
 
@@ -672,19 +732,19 @@ def test_quality_ignores_scale_and_offset_but_not_content():
     torch.manual_seed(0)
     mean_image = torch.rand(1, 12, 12)
     reference = F.avg_pool2d(torch.randn(20, 1, 16, 16), 5, stride=1) * 2 - 0.1
-    exact, _ = recl.reconstruction_quality(reference, reference, mean_image)
-    tiny, _ = recl.reconstruction_quality(reference, 0.01 * reference + 0.3, mean_image)
+    exact, _ = judging.reconstruction_quality(reference, reference, mean_image)
+    tiny, _ = judging.reconstruction_quality(reference, 0.01 * reference + 0.3, mean_image)
     torch.testing.assert_close(tiny, exact)  # a reconstruction's size and offset do not matter
     assert exact.min() > 0.999
     noise = torch.randn(20, 1, 12, 12)
-    random_small, _ = recl.reconstruction_quality(reference, 1e-3 * noise, mean_image)
-    random_large, _ = recl.reconstruction_quality(reference, noise, mean_image)
+    random_small, _ = judging.reconstruction_quality(reference, 1e-3 * noise, mean_image)
+    random_large, _ = judging.reconstruction_quality(reference, noise, mean_image)
     torch.testing.assert_close(random_small, random_large)  # nor does the random start's sigma_x
     assert random_small.mean() < 0.5
 
 
 def test_random_search_is_reproducible_and_stays_around_the_runs_own_values():
-    centre = {k: getattr(config(), k) for k in recl.SEARCH_SPACE}
+    centre = {k: getattr(run_config(), k) for k in recl.SEARCH_SPACE}
     draws = [recl.sample_hyperparameters(torch.Generator().manual_seed(5), centre) for _ in range(2)]
     assert draws[0] == draws[1]
     gen = torch.Generator().manual_seed(0)
@@ -700,27 +760,31 @@ def test_the_search_keeps_the_defaults_unless_a_draw_scores_higher(monkeypatch):
     """Sec. 4.3's searches: trial 1 is the defaults; a later draw replaces it only by scoring higher."""
     tried = []
 
-    def fake_reconstruct(model, labels, shape, cfg, log, earlier):  # the search, not the reconstruction
+    def fake_step1(model, old_tasks, cfg, log, earlier):  # the search, not the reconstruction
         tried.append(cfg.lr_x)
-        return torch.zeros(len(labels), *shape), labels, torch.ones(len(labels)), {"diverged": False, "lr_x": cfg.lr_x}
+        labels = torch.tensor([0, 1])  # the unsup score: the lower this loss, the better
+        return torch.zeros(2, 1), labels, torch.ones(2), {"failed": None, "last_loss": abs(math.log(cfg.lr_x / 1e-3))}
 
-    monkeypatch.setattr(recl, "reconstruct", fake_reconstruct)
-    cfg, labels, quiet = config(trials=6), torch.tensor([0, 1]), lambda *a: None
-    near = lambda x, report: -abs(math.log(report["lr_x"] / 1e-3))  # prefers lr_x near 1e-3, far from the default
-    *_, chosen = recl.search_reconstruction(None, labels, (1,), cfg, near, 0, quiet)
+    monkeypatch.setattr(recl, "reconstruct_old_data", fake_step1)
+    cfg, quiet = run_config(trials=6, tuning="unsup"), lambda *a: None
+    *_, chosen = recl.search_reconstruction(None, [None], cfg, quiet)  # prefers lr_x near 1e-3, far from the default
     assert tried[0] == cfg.lr_x and len(tried) == 6
-    assert chosen["hyperparameters"]["lr_x"] != cfg.lr_x and chosen["score"] == max(near(None, {"lr_x": v}) for v in tried)
-    only_defaults = lambda x, report: float(report["lr_x"] == cfg.lr_x)
-    *_, kept = recl.search_reconstruction(None, labels, (1,), cfg, only_defaults, 0, quiet)
-    assert kept["hyperparameters"]["lr_x"] == cfg.lr_x and kept["score"] == 1.0
+    assert chosen["hyperparameters"]["lr_x"] != cfg.lr_x
+    assert chosen["score"] == max(-abs(math.log(v / 1e-3)) for v in tried)
+    tried.clear()
+    monkeypatch.setattr(recl, "reconstruct_old_data", lambda model, old, cfg, log, earlier: (
+        tried.append(cfg.lr_x), torch.zeros(2, 1), torch.tensor([0, 1]), torch.ones(2),
+        {"failed": None, "last_loss": float(cfg.lr_x != 3.0)})[1:])
+    *_, kept = recl.search_reconstruction(None, [None], cfg, quiet)
+    assert kept["hyperparameters"]["lr_x"] == cfg.lr_x and kept["score"] == 0.0
 
 
 @pytest.mark.parametrize("tuning", ["unsup", "sup"])
 def test_tuned_reconstruction_records_its_choice(tuning):
     tasks = synthetic_tasks("cil", n_tasks=2)
-    cfg = config(epochs=2, n_rec=5, m=3, tuning=tuning, trials=3)
+    cfg = run_config(epochs=2, n_rec=5, m=3, tuning=tuning, trials=3)
     lines = []
-    record = recl.run_continual(cfg, tasks, "finetune", True, lines.append)
+    record = recl.run_continual(cfg, tasks, lines.append)
     trials = [line for line in lines if "trial" in line]
     assert len(trials) == 3
     assert f"lr_x {cfg.lr_x:.3g} " in trials[0] and f"alpha {cfg.alpha:.3g} " in trials[0]  # the defaults go first
@@ -728,19 +792,20 @@ def test_tuned_reconstruction_records_its_choice(tuning):
     assert set(report["hyperparameters"]) == set(recl.SEARCH_SPACE)
     scores = [float(line.rsplit("score", 1)[1]) for line in trials]
     assert report["score"] == pytest.approx(max(scores), rel=1e-3)  # the best-scoring trial is the one kept
-    again = recl.run_continual(cfg, tasks, "finetune", True, lambda *a: None)
+    again = recl.run_continual(cfg, tasks, lambda *a: None)
     assert again["reconstructions"][0]["hyperparameters"] == report["hyperparameters"]
     assert again["acc_matrix"] == record["acc_matrix"]
 
 
 def test_recon_quality_and_image_grid_are_written(tmp_path):
     tasks = synthetic_tasks("cil", n_tasks=3, shape=(1, 12, 12))
-    cfg = config(epochs=2, n_rec=5, m=3, save_images=True, out=str(tmp_path))
-    judge = lambda old_tasks, x_rec: recl.report_reconstruction("finetune+recl", old_tasks, x_rec, cfg,
-                                                               torch.zeros(1, 12, 12), lambda *a: None)
-    record = recl.run_continual(cfg, tasks, "finetune", True, lambda *a: None, judge=judge)
+    cfg = run_config(epochs=2, n_rec=5, m=3)
+    run = tmp_path / "mnist-cil-finetune+recl-seed0"
+    judge = lambda old_tasks, x_rec: judging.report_reconstruction("finetune+recl", old_tasks, x_rec, cfg,
+                                                                  torch.zeros(1, 12, 12), run, lambda *a: None)
+    record = recl.run_continual(cfg, tasks, lambda *a: None, judge=judge)
     assert [q["task"] for q in record["recon_quality"]] == [2, 3]
-    assert recl.run_continual(cfg, tasks, "finetune", True, lambda *a: None)["recon_quality"] == []  # no judge
+    assert recl.run_continual(cfg, tasks, lambda *a: None)["recon_quality"] == []  # no judge
     for q in record["recon_quality"]:
         for key in ("mean_ssim", "frac_ssim_above_0_4", "init_mean_ssim", "init_frac_ssim_above_0_4",
                     "real_mean_ssim", "real_frac_ssim_above_0_4"):
@@ -783,7 +848,7 @@ def test_start_weights_follow_the_growing_head():
 
 
 def test_split_mnist_layout():
-    tasks, order, mean = data.make_tasks("mnist", seed=3, n_per_class=20, scenario="cil")
+    tasks, order, mean, _ = data.make_tasks("mnist", seed=3, n_per_class=20, scenario="cil")
     assert sorted(order) == list(range(10)) and len(tasks) == 5
     assert order == data.make_tasks("mnist", seed=3, n_per_class=20)[1]
     assert order != data.make_tasks("mnist", seed=4, n_per_class=20)[1]
@@ -794,7 +859,7 @@ def test_split_mnist_layout():
     x_all = torch.cat([t.x_train for t in tasks])
     assert x_all.mean(0).abs().max() < 1e-5  # the training mean image is subtracted
     assert x_all.abs().max() <= 1.0
-    dil, _, _ = data.make_tasks("mnist", seed=3, n_per_class=20, scenario="dil")
+    dil, _, _, _ = data.make_tasks("mnist", seed=3, n_per_class=20, scenario="dil")
     assert all(sorted(set(t.y_test.tolist())) == [0, 1] for t in dil)
     torch.testing.assert_close(dil[2].x_train, tasks[2].x_train)
 
@@ -851,10 +916,10 @@ def test_full_mnist_is_read_from_idx_files(tmp_path):
     for prefix, n in (("train", 60), ("t10k", 30)):
         write_idx(raw / f"{prefix}-images-idx3-ubyte.gz", torch.randint(0, 256, (n, 28, 28), generator=g))
         write_idx(raw / f"{prefix}-labels-idx1-ubyte.gz", torch.arange(n) % 10)
-    tasks, order, _ = data.make_tasks("mnist-full", 0, n_per_class=4, data_root=tmp_path)
+    tasks, order, _, _ = data.make_tasks("mnist-full", 0, n_per_class=4, data_root=tmp_path)
     assert len(tasks) == 5 and tasks[0].x_train.shape == (8, 1, 28, 28)
     assert tasks[0].x_test.shape == (6, 1, 28, 28)  # every test image of the task's classes
-    all_train, _, _ = data.make_tasks("mnist-full", 0, n_per_class=None, data_root=tmp_path)
+    all_train, _, _, _ = data.make_tasks("mnist-full", 0, n_per_class=None, data_root=tmp_path)
     assert sum(len(t.x_train) for t in all_train) == 60
     (raw / "t10k-labels-idx1-ubyte.gz").write_bytes(gzip.compress(b"\0\0\x08\x01\0\0\0\x09abc"))
     with pytest.raises(data.DataError, match="truncated"):
@@ -873,7 +938,7 @@ def test_fashion_mnist_is_read_from_torchvision_or_debian_folders_or_explained(t
     from_debian, y, _, y_test = data.load("fashion-mnist", tmp_path / "elsewhere")  # no torchvision folder there
     assert from_torchvision.shape == from_debian.shape == (40, 1, 28, 28) and len(y_test) == 20
     assert not torch.equal(from_torchvision, from_debian)  # each read from its own folder
-    tasks, _, _ = data.make_tasks("fashion-mnist", 0, n_per_class=3, data_root=tmp_path)
+    tasks, _, _, _ = data.make_tasks("fashion-mnist", 0, n_per_class=3, data_root=tmp_path)
     assert len(tasks) == 5 and tasks[0].x_train.shape == (6, 1, 28, 28)
     monkeypatch.setattr(data, "DEBIAN_FASHION_MNIST", tmp_path / "nowhere")
     import torchvision
@@ -892,7 +957,7 @@ def test_cifar10_is_read_from_python_batches(tmp_path):
         batch = {b"data": torch.randint(0, 256, (20, 3072), dtype=torch.uint8).numpy(),
                  b"labels": (torch.arange(20) % 10).tolist()}
         (folder / name).write_bytes(pickle.dumps(batch))
-    tasks, _, mean = data.make_tasks("cifar10", 1, n_per_class=5, data_root=tmp_path)
+    tasks, _, mean, _ = data.make_tasks("cifar10", 1, n_per_class=5, data_root=tmp_path)
     assert tasks[0].x_train.shape == (10, 3, 32, 32) and mean.shape == (3, 32, 32)
     assert len(tasks[0].x_test) == 4
     (folder / "test_batch").write_bytes(b"garbage")
@@ -935,7 +1000,7 @@ def test_tinyimagenet_is_read_from_its_folder_layout(tmp_path):
     for label in range(6):
         save_image(torch.zeros(1, 64, 64), root / "val" / "images" / f"val_{label}.JPEG", format="PNG")
     (root / "val" / "val_annotations.txt").write_text("\n".join(lines))
-    tasks, order, _ = data.make_tasks("tinyimagenet", 0, n_per_class=2, classes_per_task=3, data_root=tmp_path)
+    tasks, order, _, _ = data.make_tasks("tinyimagenet", 0, n_per_class=2, classes_per_task=3, data_root=tmp_path)
     assert len(tasks) == 2 and sorted(order) == list(range(6))
     assert tasks[0].x_train.shape == (6, 3, 64, 64) and tasks[0].x_test.shape == (3, 3, 64, 64)
 
@@ -944,12 +1009,12 @@ def test_a_users_pt_file_is_a_dataset(tmp_path):
     path = tmp_path / "mine.pt"
     torch.save({"x_train": torch.rand(60, 12), "y_train": torch.arange(60) % 6,
                 "x_test": torch.rand(18, 12), "y_test": torch.arange(18) % 6}, path)
-    tasks, order, _ = data.make_tasks(str(path), 0, n_per_class=5, classes_per_task=3)
+    tasks, order, _, _ = data.make_tasks(str(path), 0, n_per_class=5, classes_per_task=3)
     assert len(tasks) == 2 and tasks[0].x_train.shape == (15, 1, 1, 12)
     out = tmp_path / "out"
     recl.main(["--dataset", str(path), "--classes-per-task", "3", "--n-per-class", "5", "--epochs", "1",
                "--n-rec", "2", "--out", str(out), "--quiet"])
-    assert sorted(p.name for p in out.iterdir()) == ["mine-cil-finetune+recl-seed0.json", "mine-cil-finetune-seed0.json"]
+    assert sorted(p.name.split("-")[2] for p in out.iterdir()) == ["finetune", "finetune+recl"]
 
 
 @pytest.mark.parametrize("content, words", [
@@ -996,7 +1061,7 @@ def test_each_network_fits_real_images(name, lr):
     """A network that runs is not a network that learns: each fits 32 real digits of two
     classes (downsampled to 14x14) to a loss far below ln 2 = 0.69 in 30 full-batch steps.
     Before models.he_init, the CNN and AlexNet stayed at ln C."""
-    tasks, _, _ = data.make_tasks("mnist", 0, 16, "cil", 2)
+    tasks, _, _, _ = data.make_tasks("mnist", 0, 16, "cil", 2)
     x, y = F.avg_pool2d(tasks[0].x_train, 2), tasks[0].y_train
     torch.manual_seed(0)
     model = models.build_model(name, x.shape[1:], 2)
@@ -1017,11 +1082,11 @@ def test_resnet18_scores_when_evaluated_what_it_learned_in_training():
     """Batch norm evaluates with running statistics; after a short task they still hold
     much of their start (variance 1), and ResNet18 used to score chance on digits it had
     fitted. train_task re-estimates them, so evaluation agrees with training."""
-    tasks, _, _ = data.make_tasks("mnist", 0, 16, "dil", 2)
+    tasks, _, _, _ = data.make_tasks("mnist", 0, 16, "dil", 2)
     x, y = F.avg_pool2d(tasks[0].x_train, 2), tasks[0].y_train
     torch.manual_seed(0)
     model = models.build_model("resnet18", x.shape[1:], 2)
-    recl.train_task(model, x, y, {}, {}, config(model="resnet18", epochs=8, lr=0.05, batch_size=16))
+    recl.train_task(model, x, y, {}, {}, run_config("base", model="resnet18", epochs=8, lr=0.05, batch_size=16))
     model.train()
     with torch.no_grad():
         in_training = (model(x).argmax(1) == y).float().mean().item() * 100
@@ -1031,8 +1096,8 @@ def test_resnet18_scores_when_evaluated_what_it_learned_in_training():
 
 def test_cnn_runs_a_recl_task_and_gpm_projects_its_convolutions():
     tasks = synthetic_tasks("cil", n_tasks=2, shape=(3, 12, 12))
-    cfg = config(model="cnn", epochs=1, n_rec=3, m=2, filter=False)
-    record = recl.run_continual(cfg, tasks, "gpm", True, lambda *a: None)
+    cfg = run_config(method="gpm", model="cnn", epochs=1, n_rec=3, m=2, filter=False)
+    record = recl.run_continual(cfg, tasks, lambda *a: None)
     assert record["reconstructions"][0]["kept"] == 4
     model = models.build_model("cnn", (3, 12, 12), 4)
     state = strategies.new_state("gpm", gpm_threshold=0.95)
@@ -1048,14 +1113,14 @@ def test_cnn_runs_a_recl_task_and_gpm_projects_its_convolutions():
 @pytest.mark.parametrize("name", ["alexnet", "resnet18"])
 def test_non_homogeneous_models_run_a_recl_task(name):
     tasks = synthetic_tasks("dil", n_tasks=2, shape=(3, 8, 8))
-    cfg = config(model=name, scenario="dil", epochs=1, n_rec=2, m=2, batch_size=8, filter=False)
-    record = recl.run_continual(cfg, tasks, "ewc", True, lambda *a: None)
+    cfg = run_config(method="ewc", model=name, scenario="dil", epochs=1, n_rec=2, m=2, batch_size=8, filter=False)
+    record = recl.run_continual(cfg, tasks, lambda *a: None)
     assert record["reconstructions"][0]["kept"] == 4
     assert all(a is not None for a in record["acc_matrix"][1])
 
 
 # =============================================================================
-# 8. The command line, and where a run's settings come from
+# 8. The command line, and the one config of each run
 # =============================================================================
 
 @pytest.mark.parametrize("argv, words", [
@@ -1068,15 +1133,34 @@ def test_non_homogeneous_models_run_a_recl_task(name):
     (["--seeds", "two"], "invalid int"),
     (["--method", "ewc", "--hp", "lwf_lambda=2"], "ewc has ewc_lambda"),
     (["--method", "finetune", "--hp", "x=1"], "finetune has no hyperparameters"),
-    (["--method", "ewc", "--hp", "ewc_lambda=inf"], "needs a finite number"),
+    (["--method", "ewc", "--hp", "ewc_lambda=inf"], "ewc_lambda must be >= 0, got inf"),
     (["--method", "ewc", "--hp", "ewc_lambda=big"], "is not KEY=NUMBER"),
     (["--ce-weight", "-1"], "--ce-weight must be a finite number >= 0"),
-    (["--rec-objective", "inversion", "--ce-weight", "1"], "it would do nothing"),
     (["--rec-objective", "gradient"], "invalid choice"),
+    # values out of a method's range, once accepted and run (or rounded)
+    (["--method", "ewc", "--hp", "ewc_lambda=-5"], "ewc_lambda must be >= 0, got -5"),
+    (["--method", "er", "--hp", "er_fraction=5"], r"er_fraction must be in \(0, 1\]"),
+    (["--method", "gpm", "--hp", "gpm_threshold=2"], r"gpm_threshold must be in \(0, 1\]"),
+    (["--method", "agem", "--hp", "agem_patterns_per_task=0"], "must be a whole number > 0"),
+    (["--method", "agem", "--hp", "agem_patterns_per_task=2.7"], "must be a whole number > 0, got 2.7"),
+    (["--method", "lwf", "--hp", "lwf_temperature=0"], "lwf_temperature must be > 0"),
+    # flags that would do nothing for the run asked for, once silently ignored
+    (["--rec-objective", "inversion", "--ce-weight", "1"], "the inversion control .* does not use it"),
+    (["--rec-objective", "inversion", "--rec-target", "weights"], "--rec-target is part of Eq. 3-6"),
+    (["--rec-objective", "inversion", "--lr-lambda", "5"], "--lr-lambda is part of Eq. 3-6"),
+    (["--rec-objective", "inversion", "--lambda-min", "2"], "--lambda-min is part of Eq. 3-6"),
+    (["--method", "joint", "--variant", "recl"], "nothing to reconstruct"),
+    (["--method", "joint", "--n-rec", "5"], "joint has no \\+ReCL variant"),
+    (["--variant", "base", "--save-images"], "--save-images applies to the \\+ReCL variant only"),
+    (["--variant", "base", "--n-rec", "5"], "--n-rec applies to the \\+ReCL variant only"),
+    (["--variant", "base", "--paper"], "--paper applies to the \\+ReCL variant only"),
+    (["--trials", "3"], "--trials sets the Sec. 4.3 search; it needs --tuning"),
+    (["--trials", "3", "--tuning", "naive"], "it needs --tuning unsup or sup"),
 ])
-def test_bad_cli_values_are_rejected_with_a_reason(argv, words):
-    with pytest.raises(cli.UsageError, match=words):
-        recl.main(argv)
+def test_bad_cli_values_are_rejected_with_a_reason(argv, words, monkeypatch, tmp_path):
+    monkeypatch.setattr(recl, "run_continual", lambda *a, **k: pytest.fail("it trained"))
+    with pytest.raises(config.UsageError, match=words):
+        recl.main(argv + ["--out", str(tmp_path)])
 
 
 def test_bad_cli_input_exits_nonzero_with_one_line():
@@ -1087,60 +1171,112 @@ def test_bad_cli_input_exits_nonzero_with_one_line():
     assert len(lines) == 1 and "invalid choice: 'magic'" in lines[0]
 
 
-def test_help_gives_every_flag_a_meaning_and_its_default():
-    parser = cli.make_parser()
-    text = parser.format_help()
+def test_help_gives_every_flag_a_meaning_and_the_presets_defaults():
+    parser = config.make_parser()
+    text = " ".join(parser.format_help().split())
     for action in parser._actions:
         assert action.help, f"{action.option_strings} has no help"
-    for shown in ["--n-rec N_REC         reconstruction steps before each task (default: 100)",
-                  "theta - theta_0 (default: displacement)", "first seed (default: 0)",
-                  "(default: 0.001)"]:
-        assert " ".join(shown.split()) in " ".join(text.split())
-    assert "classifies as their label (default: on)" in " ".join(text.split())
-    # the help writes ReCL's defaults out; they must be recl.py's
-    for shown in [f"(default: {recl.DEFAULT_REPLAY_NOISE:g}, 0 for GPM)", f"{recl.DEFAULT_CE_WEIGHT['cil']:g} in CIL",
-                  f"{recl.DEFAULT_LR_X['displacement']:g} for the displacement target",
-                  f"{recl.DEFAULT_LR_X['weights']:g} for the weights", f"{recl.INVERSION_LR_X['cil']:g} (CIL)",
-                  f"{recl.INVERSION_LR_X['dil']:g} (DIL)"]:
-        assert shown in " ".join(text.split()), shown
+    rec = config.RECONSTRUCTION
+    for shown in [f"reconstruction steps before each task (default: {rec['n_rec']})",
+                  f"theta - theta_0 (default: {rec['rec_target']})", "first seed (default: 0)",
+                  f"(default: {rec['sigma_x']:g})", "classifies as their label (default: on)",
+                  f"(default: {rec['replay_noise']:g}, 0 for GPM)", f"{rec['ce_weight']['cil']:g} in CIL",
+                  f"{config.LR_X['displacement']:g} for the displacement target",
+                  f"{config.LR_X['weights']:g} for the weights", f"{config.LR_X['inversion']['cil']:g} (CIL)",
+                  f"{config.LR_X['inversion']['dil']:g} (DIL)", f"(default: {rec['lr_lambda']:g})",
+                  f"(default: {rec['lambda_min']:g})", f"(default: {rec['alpha']:g})"]:
+        assert shown in text, shown
+    assert config.PRESETS["cil"]["gpm"][1]["replay_noise"] == 0.0  # "0 for GPM" is true in both scenarios
+    assert config.PRESETS["dil"]["gpm"][1]["replay_noise"] == 0.0
 
 
-def test_each_run_header_names_the_settings_it_resolved_to():
-    cfg = cli.make_parser().parse_args(["--model", "cnn", "--validation", "--method", "ewc"])
-    header = recl.describe(recl.run_settings(cfg, 3, True), True)
-    recl_ewc = recl.TUNED_RECL["cil"]["ewc"]
-    for shown in ["ewc+recl | cil | mnist (validation split) | cnn | seed 3 |", f"lr {recl_ewc['lr']:g}, "
-                  f"{recl_ewc['epochs']} epochs, ewc_lambda {recl_ewc['ewc_lambda']:g}",
-                  f"replay noise {recl.DEFAULT_REPLAY_NOISE:g}", "stationarity on the displacement"]:
+def resolved(*flags, variant="recl", seed=0):
+    args = config.make_parser().parse_args(list(flags))
+    config.check(args, probe_out=False)
+    return config.resolve(args, seed, variant)
+
+
+def test_each_run_header_names_every_setting_it_resolved_to():
+    cfg = resolved("--model", "cnn", "--validation", "--method", "ewc", seed=3)
+    header = config.describe(cfg)
+    alone, changes = config.PRESETS["cil"]["ewc"]
+    for shown in ["ewc+recl | cil | mnist (validation split) | cnn | seed 3 |", "100 per class, 2 per task",
+                  f"lr {changes['lr']:g}, {alone['epochs']} epochs, batch 64, ewc_lambda {changes['ewc_lambda']:g}",
+                  "m 100, n_rec 100, sigma_x 0.001, lr_x 3, lr_lambda 0.1, lambda_min 0.05, alpha 100",
+                  "rec_target displacement", f"replay_noise {config.RECONSTRUCTION['replay_noise']:g}",
+                  f"config {config.digest(cfg)}"]:
         assert shown in header, shown
-    alone = recl.describe(recl.run_settings(cfg, 3, False), False)
-    assert f"lr {strategies.settings('ewc', 'cil')['lr']:g}," in alone and "stationarity" not in alone
+    base = config.describe(resolved("--method", "ewc", variant="base"))
+    assert f"lr {alone['lr']:g}," in base and "n_rec" not in base and "lr_x" not in base
+    inversion = config.describe(resolved("--rec-objective", "inversion", variant="inversion"))
+    assert "lr_lambda" not in inversion and "rec_target" not in inversion and "ce_weight" not in inversion
+
+
+def test_a_config_holds_only_what_applies_and_its_digest_changes_with_any_setting():
+    base, recl_, inversion = (resolved(variant=v) for v in ("base", "recl", "inversion"))
+    assert base.n_rec is None and base.lr_x is None and base.replay_noise is None
+    assert recl_.n_rec == 100 and recl_.lr_lambda == 0.1
+    assert inversion.lr_lambda is inversion.lambda_min is inversion.rec_target is inversion.ce_weight is None
+    assert len({config.digest(c) for c in (base, recl_, inversion)}) == 3
+    assert config.digest(resolved(seed=4)) == config.digest(recl_)  # the seed is in the file name, not the digest
+    assert config.digest(resolved("--device", "cpu")) == config.digest(recl_)
+    for flags in (["--lr", "0.5"], ["--epochs", "3"], ["--model", "cnn"], ["--paper"], ["--classes-per-task", "5"],
+                  ["--n-per-class", "50"], ["--batch-size", "32"], ["--validation"], ["--sigma-x", "0.01"]):
+        assert config.digest(resolved(*flags)) != config.digest(recl_), flags
 
 
 def test_method_hyperparameters_come_from_the_command_line(tmp_path):
     recl.main(["--method", "agem", "--hp", "agem_patterns_per_task=7", "--variant", "base", "--epochs", "1",
                "--n-per-class", "5", "--out", str(tmp_path), "--quiet"])
-    record = json.loads((tmp_path / "mnist-cil-agem-seed0.json").read_text())
+    record = json.loads(next(tmp_path.glob("mnist-cil-agem-*-seed0.json")).read_text())
     assert record["config"]["hp"] == {"agem_patterns_per_task": 7, "agem_batch": 256}  # the rest: defaults
 
 
-def test_main_writes_one_json_per_run(tmp_path, capsys):
+def test_main_writes_one_json_per_run_named_by_its_config(tmp_path, capsys):
     recl.main(["--method", "finetune", "--variant", "both", "--epochs", "1", "--n-per-class", "5",
                "--n-rec", "2", "--out", str(tmp_path), "--quiet"])
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == ["mnist-cil-finetune+recl-seed0.json", "mnist-cil-finetune-seed0.json"]
+    assert len(files) == 2 and files[0].startswith("mnist-cil-finetune+recl-") and files[1].startswith(
+        "mnist-cil-finetune-")
     record = json.loads((tmp_path / files[0]).read_text())
-    for key in ("method", "recl", "scenario", "dataset", "seed", "class_order", "acc_matrix",
-                "ACC", "BWT", "seconds", "config"):
+    for key in ("method", "variant", "recl", "scenario", "dataset", "seed", "class_order", "classes_left_out",
+                "acc_matrix", "ACC", "BWT", "seconds", "config", "digest", "failed_reconstructions"):
         assert key in record
-    assert record["recl"] is True and record["config"]["n_rec"] == 2
+    assert files[0] == f"mnist-cil-finetune+recl-{record['digest']}-seed0.json"
+    assert record["digest"] == config.digest(config.Config(**record["config"]))  # the JSON holds the whole config
+    assert record["recl"] is True and record["config"]["n_rec"] == 2 and record["config"]["batch_size"] == 64
     assert record["provenance"]["torch"] == torch.__version__ and record["provenance"]["threads"] >= 1
     assert "finetune+recl cil seed 0: ACC" in capsys.readouterr().out
 
 
+def test_runs_with_different_settings_never_share_a_file_or_a_table_row(tmp_path):
+    """Once: a default run and the same command at --lr 0.5 into one folder left one file,
+    a --paper run overwrote the +ReCL file, and aggregate showed them in one table."""
+    common = ["--epochs", "1", "--n-per-class", "5", "--out", str(tmp_path), "--quiet"]
+    recl.main(common + ["--variant", "base"])
+    recl.main(common + ["--variant", "base", "--lr", "0.5"])
+    recl.main(common + ["--variant", "recl", "--n-rec", "2"])
+    recl.main(common + ["--variant", "recl", "--n-rec", "2", "--paper"])
+    assert len(list(tmp_path.glob("*.json"))) == 4
+    table = experiments.aggregate(tmp_path, lambda *a: None)
+    rows = [line for line in table.splitlines() if line.startswith("| finetune")]
+    assert len(rows) == 4 and all("| 1 |" in row for row in rows)  # four rows of one seed, none averaged
+    notes = [line for line in table.splitlines() if "differs from" in line]
+    assert len(notes) == 2 and "paper True" in notes[1] and ("lr 0.5" in notes[0] or "lr 0.01" in notes[0])
+
+
+def test_validation_runs_are_never_averaged_with_test_runs(tmp_path):
+    common = ["--variant", "base", "--epochs", "1", "--n-per-class", "10", "--out", str(tmp_path), "--quiet"]
+    recl.main(common)
+    recl.main(common + ["--validation"])
+    table = experiments.aggregate(tmp_path, lambda *a: None)
+    assert "### mnist, CIL\n" in table and "### mnist, CIL (validation split)" in table
+    assert table.count("| finetune | 1 |") == 2
+
+
 def test_write_json_atomically_leaves_no_temporary_file(tmp_path):
     path = tmp_path / "sub" / "run.json"
-    cli.write_json_atomically(path, {"ACC": 1.5})
+    config.write_json_atomically(path, {"ACC": 1.5})
     assert json.loads(path.read_text()) == {"ACC": 1.5}
     assert [p.name for p in path.parent.iterdir()] == ["run.json"]
 
@@ -1151,125 +1287,139 @@ def test_a_diverged_run_says_so_exits_nonzero_and_is_never_averaged(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, cwd=HERE)
     assert result.returncode != 0
     assert result.stderr.count("\n") == 1 and "diverged: training loss" in result.stderr
-    record = json.loads((tmp_path / "mnist-cil-finetune-seed0.json").read_text())
+    (path,) = tmp_path.glob("*.json")
+    record = json.loads(path.read_text())
     assert record["ACC"] is None and record["BWT"] is None and "of task" in record["diverged"]
-    cli.write_json_atomically(tmp_path / "mnist-cil-finetune-seed1.json", fake_record("finetune", False, 1, 60, -30))
-    table = experiments.aggregate(tmp_path)
+    config.write_json_atomically(tmp_path / "other-seed1.json", {**record, "seed": 1, "ACC": 60.0, "BWT": -30.0,
+                                                                 "diverged": None, "acc_matrix": [[60.0]]})
+    table = experiments.aggregate(tmp_path, lambda *a: None)
     assert "| finetune | 1 | 60.00 (0.00) |" in table  # the diverged seed is not in the mean
     assert "Diverged, not averaged: finetune seed 0 (training loss" in table
 
 
 def test_paper_preset_switches_off_each_departure_unless_a_flag_is_given():
-    def run_cfg(*flags, use_recl=True):
-        cfg = cli.make_parser().parse_args(["--method", "ewc", *flags])
-        cli.check_args(cfg)
-        return recl.run_settings(cfg, 0, use_recl)
-
-    today, paper = run_cfg(), run_cfg("--paper")
+    today, paper = resolved("--method", "ewc"), resolved("--method", "ewc", "--paper")
     assert (today.rec_target, today.freeze_old, today.filter) == ("displacement", True, True)
     assert today.replay_noise > 0 and today.lr_x == 3.0
     assert (paper.rec_target, paper.freeze_old, paper.filter, paper.replay_noise) == ("weights", False, False, 0.0)
     assert paper.lr_x == 1.0 and (paper.n_rec, paper.m) == (100, 100)
-    own = strategies.settings("ewc", "cil")  # the method's own training, not TUNED_RECL's
+    own = config.preset("cil", "ewc", "base")  # the method's own training, not the +ReCL column
     assert (paper.lr, paper.epochs, paper.hp) == (own["lr"], own["epochs"], {"ewc_lambda": own["ewc_lambda"]})
     assert (paper.lr, paper.epochs) != (today.lr, today.epochs)
-    mixed = run_cfg("--paper", "--filter", "--rec-target", "displacement", "--replay-noise", "1", "--epochs", "3")
+    mixed = resolved("--method", "ewc", "--paper", "--filter", "--rec-target", "displacement", "--replay-noise", "1",
+                     "--epochs", "3")
     assert (mixed.filter, mixed.rec_target, mixed.replay_noise, mixed.epochs, mixed.freeze_old) == \
         (True, "displacement", 1.0, 3, False)
-    assert (today.ce_weight, paper.ce_weight, run_cfg("--scenario", "dil").ce_weight) == (3e-4, 0.0, 0.0)
-    assert run_cfg("--rec-objective", "inversion").ce_weight == 0.0
-    assert run_cfg("--rec-objective", "inversion").lr_x == recl.INVERSION_LR_X["cil"]
-    assert run_cfg("--rec-objective", "inversion", "--scenario", "dil").lr_x == recl.INVERSION_LR_X["dil"]
+    assert (today.ce_weight, paper.ce_weight, resolved("--scenario", "dil").ce_weight) == (3e-4, 0.0, 0.0)
+    assert resolved("--rec-objective", "inversion", variant="inversion").lr_x == config.LR_X["inversion"]["cil"]
+    assert resolved("--scenario", "dil", variant="inversion").lr_x == config.LR_X["inversion"]["dil"]
 
 
-def test_runs_start_from_tuned_settings_unless_the_command_line_says_otherwise(tmp_path, monkeypatch):
-    monkeypatch.setitem(strategies.TUNED, "cil", {"ewc": {"lr": 0.02, "epochs": 1, "ewc_lambda": 5.0}})
-    common = ["--method", "ewc", "--variant", "base", "--n-per-class", "5", "--quiet"]
-    recl.main(common + ["--out", str(tmp_path / "a")])
-    recl.main(common + ["--out", str(tmp_path / "b"), "--lr", "0.03", "--hp", "ewc_lambda=9"])
-    a, b = (json.loads((tmp_path / d / "mnist-cil-ewc-seed0.json").read_text())["config"] for d in "ab")
-    assert (a["lr"], a["epochs"], a["hp"]) == (0.02, 1, {"ewc_lambda": 5.0})
-    assert (b["lr"], b["epochs"], b["hp"]) == (0.03, 1, {"ewc_lambda": 9.0})
-
-
-def test_the_recl_variant_trains_with_its_own_settings(tmp_path, monkeypatch):
-    monkeypatch.setitem(strategies.TUNED, "cil", {"ewc": {"lr": 0.02, "epochs": 1, "ewc_lambda": 5.0}})
-    monkeypatch.setitem(recl.TUNED_RECL, "cil", {"ewc": {"lr": 0.07, "epochs": 2, "ewc_lambda": 50.0}})
-    common = ["--method", "ewc", "--n-per-class", "5", "--n-rec", "2", "--quiet"]
-    recl.main(common + ["--out", str(tmp_path / "a")])
-    recl.main(common + ["--out", str(tmp_path / "b"), "--epochs", "1"])
-    config_of = lambda d, name: json.loads((tmp_path / d / f"mnist-cil-{name}-seed0.json").read_text())["config"]
-    base, with_recl = config_of("a", "ewc"), config_of("a", "ewc+recl")
-    assert (base["lr"], base["epochs"], base["hp"]) == (0.02, 1, {"ewc_lambda": 5.0})
-    assert (with_recl["lr"], with_recl["epochs"], with_recl["hp"]) == (0.07, 2, {"ewc_lambda": 50.0})
-    assert config_of("b", "ewc+recl")["epochs"] == 1  # the command line wins for both variants
+def test_runs_start_from_the_presets_and_the_recl_column_unless_the_command_line_says_otherwise(monkeypatch):
+    monkeypatch.setitem(config.PRESETS, "cil", {"ewc": ({"lr": 0.02, "epochs": 1, "ewc_lambda": 5.0},
+                                                        {"lr": 0.07, "epochs": 2, "ewc_lambda": 50.0})})
+    base, with_recl = resolved("--method", "ewc", variant="base"), resolved("--method", "ewc")
+    assert (base.lr, base.epochs, base.hp) == (0.02, 1, {"ewc_lambda": 5.0})
+    assert (with_recl.lr, with_recl.epochs, with_recl.hp) == (0.07, 2, {"ewc_lambda": 50.0})
+    given = resolved("--method", "ewc", "--lr", "0.03", "--hp", "ewc_lambda=9", "--epochs", "4")
+    assert (given.lr, given.epochs, given.hp) == (0.03, 4, {"ewc_lambda": 9.0})  # the command line wins
+    lwf = resolved("--method", "lwf", variant="base")  # a method the table leaves out: the defaults
+    assert (lwf.lr, lwf.epochs) == (config.DEFAULT_TRAINING["lr"], config.DEFAULT_TRAINING["epochs"])
+    assert lwf.hp == strategies.defaults("lwf")
 
 
 def test_replay_noise_is_the_default_but_gpm_replays_without_and_the_flag_wins():
-    def cfg(*flags):
-        parsed = cli.make_parser().parse_args(["--method", "gpm", *flags])
-        cli.check_args(parsed)
-        return parsed
-
-    finetune = cli.make_parser().parse_args([])
-    assert recl.run_settings(finetune, 0, True).replay_noise == recl.DEFAULT_REPLAY_NOISE > 0
-    assert recl.run_settings(finetune, 0, False).replay_noise == recl.DEFAULT_REPLAY_NOISE  # recorded alike
+    assert resolved().replay_noise == config.RECONSTRUCTION["replay_noise"] > 0
     for scenario in ("cil", "dil"):
-        gpm = recl.run_settings(cfg("--scenario", scenario), 0, True)
-        expected_lr = recl.TUNED_RECL[scenario]["gpm"].get("lr", strategies.settings("gpm", scenario)["lr"])
-        assert gpm.replay_noise == 0.0 and gpm.lr == expected_lr
-        assert recl.run_settings(cfg("--scenario", scenario), 0, False).replay_noise == 0.0  # recorded alike
-        assert recl.run_settings(cfg("--scenario", scenario, "--replay-noise", "1.5"), 0, True).replay_noise == 1.5
-    with pytest.raises(cli.UsageError, match="--replay-noise must be"):
-        cfg("--replay-noise", "-1")
+        gpm = resolved("--method", "gpm", "--scenario", scenario)
+        assert gpm.replay_noise == 0.0 and gpm.lr == config.preset(scenario, "gpm", "recl")["lr"]
+        assert resolved("--method", "gpm", "--scenario", scenario, "--replay-noise", "1.5").replay_noise == 1.5
+    with pytest.raises(config.UsageError, match="--replay-noise must be"):
+        resolved("--replay-noise", "-1")
+
+
+def test_an_out_that_cannot_take_files_is_refused_before_anything_trains(tmp_path, monkeypatch):
+    monkeypatch.setattr(recl, "run_continual", lambda *a, **k: pytest.fail("it trained"))
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    for out, words in ((a_file, "is a file"), (a_file / "under", "cannot write results there")):
+        with pytest.raises(config.UsageError, match=words):
+            recl.main(["--out", str(out)])
+
+
+def test_data_the_run_cannot_use_is_refused_before_anything_trains(tmp_path, monkeypatch):
+    """A network that does not take the images, or a class without test images, once
+    failed with a traceback (or after training, with ZeroDivisionError)."""
+    monkeypatch.setattr(recl, "run_continual", lambda *a, **k: pytest.fail("it trained"))
+    flat = tmp_path / "flat.pt"
+    torch.save({"x_train": torch.rand(40, 8), "y_train": torch.arange(40) % 4,
+                "x_test": torch.rand(8, 8), "y_test": torch.arange(8) % 4}, flat)
+    with pytest.raises(config.UsageError, match="--model cnn: the cnn needs images"):
+        recl.main(["--dataset", str(flat), "--model", "cnn", "--n-per-class", "5", "--out", str(tmp_path)])
+    no_test = tmp_path / "no-test.pt"
+    torch.save({"x_train": torch.rand(40, 8), "y_train": torch.arange(40) % 4,
+                "x_test": torch.rand(6, 8), "y_test": torch.tensor([0, 1, 2, 0, 1, 2])}, no_test)
+    with pytest.raises(config.UsageError, match="class 3 of task 2 has no test images"):
+        recl.main(["--dataset", str(no_test), "--n-per-class", "5", "--seeds", "3", "--out", str(tmp_path)])
+
+
+def test_classes_left_out_by_the_split_are_named_and_recorded(tmp_path, capsys):
+    recl.main(["--classes-per-task", "3", "--variant", "base", "--epochs", "1", "--n-per-class", "5",
+               "--out", str(tmp_path), "--quiet"])
+    record = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert len(record["classes_left_out"]) == 1 and record["classes_left_out"][0] not in record["class_order"]
+    assert sorted(record["class_order"] + record["classes_left_out"]) == list(range(10))
+    assert f"leaves out class(es) {record['classes_left_out']}" in capsys.readouterr().out
+
+
+def test_flags_for_the_recl_runs_are_left_out_of_the_methods_alone():
+    assert config.without_recl_flags(["--epochs", "3", "--n-rec", "50", "--no-filter", "--paper",
+                                      "--rec-precision=bfloat16", "--lr", "0.1", "--m", "7"]) == \
+        ["--epochs", "3", "--lr", "0.1"]
 
 
 # =============================================================================
 # 9. The experiment machinery (experiments.py, run_all.sh)
 # =============================================================================
 
-def fake_record(method, use_recl, seed, acc, bwt, scenario="cil"):
-    return {"method": method, "recl": use_recl, "scenario": scenario, "dataset": "mnist",
-            "seed": seed, "ACC": acc, "BWT": bwt, "seconds": 10.0}
+def fake_record(method, variant, seed, acc, bwt, scenario="cil", **settings):
+    """A run record as recl.main writes one, with the numbers given."""
+    cfg = config.Config(method=method, variant=variant, scenario=scenario, seed=seed, **settings)
+    return {"method": method, "variant": variant, "recl": variant != "base", "scenario": scenario,
+            "dataset": "mnist", "seed": seed, "ACC": acc, "BWT": bwt, "seconds": 10.0, "diverged": None,
+            "acc_matrix": [[acc]], "reconstructions": [], "recon_quality": [], "failed_reconstructions": 0,
+            "phase_seconds": {"reconstruct": 0.0}, "config": dataclasses.asdict(cfg), "digest": config.digest(cfg)}
 
 
-def test_aggregate_gives_mean_and_std_per_variant_and_ignores_partial_files(tmp_path):
+def test_aggregate_gives_mean_and_std_per_config_and_skips_what_is_not_a_run(tmp_path):
     for seed, (acc, bwt) in enumerate([(50, -40), (60, -30), (70, -20)]):
-        cli.write_json_atomically(tmp_path / f"a{seed}.json", fake_record("ewc", False, seed, acc, bwt))
-    cli.write_json_atomically(tmp_path / "b.json", fake_record("ewc", True, 0, 80, -5))
-    cli.write_json_atomically(tmp_path / "c.json", fake_record("finetune", False, 0, 40, -50, "dil"))
+        config.write_json_atomically(tmp_path / f"a{seed}.json", fake_record("ewc", "base", seed, acc, bwt))
+    config.write_json_atomically(tmp_path / "b.json", fake_record("ewc", "recl", 0, 80, -5))
+    config.write_json_atomically(tmp_path / "c.json", fake_record("finetune", "base", 0, 40, -50, "dil"))
     (tmp_path / ".d.json.123.tmp").write_text('{"half a')  # a run killed mid-write
-    table = experiments.aggregate(tmp_path)
-    assert "| ewc | 3 | 60.00 (10.00) | -30.00 (10.00) |  |  | 10.0 |" in table
-    assert "| ewc+recl | 1 | 80.00 (0.00) | -5.00 (0.00) |  |  | 10.0 |" in table
+    skipped = []
+    for name, text in (("benchmark-cpu.json", '{"machine": {}, "steps": []}'), ("empty.json", "{}"),
+                       ("list.json", "[1, 2]"), ("broken.json", '{"ACC"')):
+        (tmp_path / name).write_text(text)
+    table = experiments.aggregate(tmp_path, skipped.append)
+    assert "| ewc | 3 | 60.00 (10.00) | -30.00 (10.00) |  |  | 10.0 |  |" in table
+    assert "| ewc+recl | 1 | 80.00 (0.00) | -5.00 (0.00) |  | 0.0 (0.0) | 10.0 |  |" in table
     cil, dil = table.split("### mnist, DIL")
     assert "finetune" not in cil and "| finetune | 1 | 40.00 (0.00)" in dil
-
-
-def test_aggregate_warns_when_one_row_mixes_settings(tmp_path, capsys):
-    for seed, n_rec in enumerate([100, 100, 30]):
-        record = {**fake_record("finetune", True, seed, 70, -20), "config": {"seed": seed, "n_rec": n_rec, "out": "x"}}
-        cli.write_json_atomically(tmp_path / f"r{seed}.json", record)
-    experiments.aggregate(tmp_path)
-    assert "mnist cil finetune+recl mixes runs made with different settings (n_rec 100 -> 30)" in capsys.readouterr().err
-    cli.write_json_atomically(tmp_path / "r2.json", {**fake_record("finetune", True, 2, 70, -20),
-                                                      "config": {"seed": 2, "n_rec": 100, "out": "elsewhere"}})
-    experiments.aggregate(tmp_path)
-    assert "mixes" not in capsys.readouterr().err  # seed and output folder do not count
+    assert sorted(line.split(":")[0] for line in skipped if line.startswith("skipping")) == sorted(
+        f"skipping {tmp_path / name}" for name in ("benchmark-cpu.json", "empty.json", "list.json", "broken.json"))
 
 
 def test_aggregate_draws_a_well_formed_chart_with_one_bar_per_method_and_variant(tmp_path):
     import xml.etree.ElementTree as ET
     for scenario in ("cil", "dil"):
         for method in ("finetune", "gpm"):
-            for use_recl, objective, acc in ((False, "stationarity", 50.0), (True, "stationarity", 70.0),
-                                             (True, "inversion", 60.0)):
+            for variant, acc in (("base", 50.0), ("recl", 70.0), ("inversion", 60.0)):
                 for seed in range(2):
-                    record = {**fake_record(method, use_recl, seed, acc + seed, -10, scenario),
-                              "config": {"rec_objective": objective, "seed": seed}}
-                    cli.write_json_atomically(tmp_path / f"{scenario}-{method}-{acc}-{seed}.json", record)
-    cli.write_json_atomically(tmp_path / "d.json", {**fake_record("er", False, 0, None, None), "diverged": "nan"})
-    experiments.aggregate(tmp_path)
+                    record = fake_record(method, variant, seed, acc + seed, -10, scenario)
+                    config.write_json_atomically(tmp_path / f"{scenario}-{method}-{acc}-{seed}.json", record)
+    config.write_json_atomically(tmp_path / "d.json", {**fake_record("er", "base", 0, None, None), "diverged": "nan"})
+    experiments.aggregate(tmp_path, lambda *a: None)
     root = ET.parse(tmp_path / "chart-mnist.svg").getroot()  # raises if not well-formed XML
     ns = "{http://www.w3.org/2000/svg}"
     bars = [r for r in root.iter(ns + "rect") if r.get("class") == "bar"]
@@ -1284,14 +1434,13 @@ def test_aggregate_draws_a_well_formed_chart_with_one_bar_per_method_and_variant
 
 def test_aggregate_draws_each_methods_accuracy_matrix_as_lines_one_panel_per_variant(tmp_path):
     import xml.etree.ElementTree as ET
-    for use_recl, objective in ((False, "stationarity"), (True, "stationarity"), (True, "inversion")):
+    for variant in ("base", "recl", "inversion"):
         for seed in range(2):
-            forget = 10.0 if use_recl else 40.0 + 20 * seed  # task 1 after task 2: 90, or 60 and 40
+            forget = 10.0 if variant != "base" else 40.0 + 20 * seed  # task 1 after task 2: 90, or 60 and 40
             R = [[100.0, None, None], [100.0 - forget, 90.0, None], [50.0, 80.0, 70.0]]
-            record = {**fake_record("finetune", use_recl, seed, 60.0, -20.0),
-                      "acc_matrix": R, "config": {"rec_objective": objective, "seed": seed}}
-            cli.write_json_atomically(tmp_path / f"{use_recl}-{objective}-{seed}.json", record)
-    experiments.aggregate(tmp_path)
+            record = {**fake_record("finetune", variant, seed, 60.0, -20.0), "acc_matrix": R}
+            config.write_json_atomically(tmp_path / f"{variant}-{seed}.json", record)
+    experiments.aggregate(tmp_path, lambda *a: None)
     root = ET.parse(tmp_path / "matrix-mnist-cil-finetune.svg").getroot()
     lines = {(l.get("data-panel"), l.get("data-task")): [tuple(map(float, p.split(",")))
                                                          for p in l.get("points").split()]
@@ -1303,9 +1452,9 @@ def test_aggregate_draws_each_methods_accuracy_matrix_as_lines_one_panel_per_var
     assert drop("method", 1) == pytest.approx(50 * per_point, abs=0.2)  # mean of 60 and 40
     assert drop("+ReCL", 1) == pytest.approx(10 * per_point, abs=0.2) and per_point > 0
     tuned_only = tmp_path / "tuned"  # only runs with tuned ReCL settings: nothing to draw, no crash
-    cli.write_json_atomically(tuned_only / "t.json", {**fake_record("er", True, 0, 60.0, -20.0), "acc_matrix": R,
-                                                      "config": {"tuning": "tuned", "seed": 0}})
-    assert "er+recl (tuned)" in experiments.aggregate(tuned_only)
+    config.write_json_atomically(tuned_only / "t.json", {**fake_record("er", "recl", 0, 60.0, -20.0, tuning="unsup"),
+                                                         "acc_matrix": R})
+    assert "er+recl (unsup)" in experiments.aggregate(tuned_only, lambda *a: None)
     assert not list(tuned_only.glob("matrix-*.svg"))
 
 
@@ -1313,157 +1462,152 @@ def test_tune_searches_the_grid_on_validation_data_only(tmp_path, monkeypatch):
     path = tmp_path / "toy.pt"
     torch.save({"x_train": 0.5 * torch.rand(40, 8), "y_train": torch.arange(40) % 4,
                 "x_test": torch.ones(8, 8), "y_test": torch.arange(8) % 4}, path)  # test: all ones
-    seen, with_recl = [], []
+    seen = []
     real_run = recl.run_continual
-    def spy(cfg, tasks, method, use_recl, *rest):
-        seen.append((cfg.lr, cfg.epochs, cfg.hp, tasks))
-        with_recl.append(use_recl)
-        return real_run(cfg, tasks, method, use_recl, *rest)
+    def spy(cfg, tasks, *rest, **kw):
+        seen.append((cfg, tasks))
+        return real_run(cfg, tasks, *rest, **kw)
     monkeypatch.setattr(recl, "run_continual", spy)
     monkeypatch.setattr(strategies, "TRAINING_GRID", {"lr": [0.01, 0.1], "epochs": [1]})
-    experiments.tune(["--dataset", str(path), "--method", "ewc", "--trials", "3", "--n-per-class", "10",
+    experiments.tune(["--dataset", str(path), "--method", "ewc", "--draws", "3", "--n-per-class", "10",
                       "--out", str(tmp_path), "--quiet"])
-    assert len(seen) == 3 and len({(lr, hp["ewc_lambda"]) for lr, _, hp, _ in seen}) == 3  # distinct draws
-    for _, epochs, _, tasks in seen:
-        assert epochs == 1 and all((t.x_test < 0.5).all() for t in tasks)  # never the test images
-    saved = json.loads((tmp_path / "toy-cil-ewc-tuning-seed0.json").read_text())
-    scores = [t["val_ACC"] for t in saved["trials"]]
-    assert scores == sorted(scores, reverse=True) and not any(with_recl)
-    experiments.tune(["--variant", "recl", "--dataset", str(path), "--method", "ewc", "--trials", "1",
+    assert len(seen) == 3 and len({(c.lr, c.hp["ewc_lambda"]) for c, _ in seen}) == 3  # distinct draws
+    for cfg, tasks in seen:
+        assert cfg.epochs == 1 and cfg.validation and all((t.x_test < 0.5).all() for t in tasks)  # never the test
+    (saved,) = tmp_path.glob("toy-cil-ewc-validation-tuning-*-seed0.json")
+    scores = [t["val_ACC"] for t in json.loads(saved.read_text())["trials"]]
+    assert scores == sorted(scores, reverse=True) and all(c.variant == "base" for c, _ in seen)
+    experiments.tune(["--variant", "recl", "--dataset", str(path), "--method", "ewc", "--draws", "1",
                       "--n-per-class", "10", "--n-rec", "2", "--out", str(tmp_path), "--quiet"])
-    assert with_recl[-1] and (tmp_path / "toy-cil-ewc+recl-tuning-seed0.json").exists()
-    with pytest.raises(cli.UsageError, match="tune chooses --lr and --epochs itself"):
-        experiments.tune(["--lr", "0.1"])
+    assert seen[-1][0].variant == "recl" and list(tmp_path.glob("toy-cil-ewc+recl-validation-tuning-*-seed0.json"))
+    for argv, words in ((["--lr", "0.1"], "tune chooses --lr itself"), (["--seeds", "3"], "--seeds does not apply"),
+                        (["--variant", "both"], "tune scores one variant")):
+        with pytest.raises(config.UsageError, match=words):
+            experiments.tune(argv + ["--out", str(tmp_path)])
 
 
 def test_a_diverged_trial_counts_as_failed_in_the_search(tmp_path, monkeypatch):
     monkeypatch.setattr(strategies, "TRAINING_GRID", {"lr": [10000.0, 0.01], "epochs": [2]})
-    experiments.tune(["--method", "finetune", "--trials", "2", "--n-per-class", "10", "--out", str(tmp_path),
+    experiments.tune(["--method", "finetune", "--draws", "2", "--n-per-class", "10", "--out", str(tmp_path),
                       "--quiet"])
-    trials = json.loads((tmp_path / "mnist-cil-finetune-tuning-seed0.json").read_text())["trials"]
+    (saved,) = tmp_path.glob("mnist-cil-finetune-validation-tuning-*-seed0.json")
+    trials = json.loads(saved.read_text())["trials"]
     assert trials[0]["settings"]["lr"] == 0.01 and trials[0]["val_ACC"] > 0
     assert trials[1]["val_ACC"] is None and trials[1]["diverged"].startswith("training loss")
-    assert "| mnist | cil | finetune | lr 0.01, epochs 2 |" in experiments.aggregate(tmp_path)
+    assert "| mnist | cil | finetune | lr 0.01, epochs 2 |" in experiments.aggregate(tmp_path, lambda *a: None)
 
 
-def test_tuning_table_reports_the_best_validation_trial(tmp_path):
+def test_aggregate_shows_the_searches_and_the_runs_side_by_side(tmp_path):
     trials = [{"settings": {"lr": 0.1, "epochs": 10}, "val_ACC": 40.0},
               {"settings": {"lr": 0.01, "epochs": 40}, "val_ACC": 55.5}]
-    cli.write_json_atomically(tmp_path / "t.json", {"method": "er", "scenario": "dil", "dataset": "mnist",
-                                                      "seed": 0, "trials": trials})
-    assert "| mnist | dil | er | lr 0.01, epochs 40 | 55.50 | 2 |" in experiments.aggregate(tmp_path)
+    config.write_json_atomically(tmp_path / "t.json", {"method": "er", "scenario": "dil", "dataset": "mnist",
+                                                       "seed": 0, "trials": trials, "config": {}})
+    config.write_json_atomically(tmp_path / "r.json", fake_record("er", "base", 0, 70, -5, "dil"))
+    table = experiments.aggregate(tmp_path, lambda *a: None)
+    assert "| mnist | dil | er | lr 0.01, epochs 40 | 55.50 | 2 |" in table and "| er | 1 | 70.00" in table
 
 
-def config_a_run_records(args):
-    """The config `python recl.py ARGS` (one seed, one variant) would write into its JSON."""
-    cfg = cli.make_parser().parse_args(args)
-    cli.check_args(cfg)
-    return vars(recl.run_settings(cfg, cfg.seed, cfg.variant == "recl"))
+def test_every_experiments_subcommand_explains_itself(capsys):
+    for command in ("aggregate", "pending", "queue", "tune", "benchmark"):
+        with pytest.raises(SystemExit) as done:
+            experiments.main([command, "-h"])
+        assert done.value.code == 0
+        assert f"experiments.py {command}" in capsys.readouterr().out
+    with pytest.raises(config.UsageError, match="invalid choice"):
+        experiments.main(["aggregat"])
 
 
-def test_run_all_skips_finished_runs_and_reruns_stale_ones(tmp_path):
-    common = ["--dataset", "mnist", "--scenario", "cil", "--method", "finetune", "--out", str(tmp_path), "--epochs", "3"]
-    done = {**fake_record("finetune", False, 0, 1, 1),
-            "config": config_a_run_records(common + ["--variant", "base", "--seed", "0"])}
-    del done["config"]["rec_objective"]  # made before the flag existed: it counts as its default
-    path, line = tmp_path / "mnist-cil-finetune-seed0.json", f"python recl.py {' '.join(common)} --variant base --seed 0"
-    cli.write_json_atomically(path, done)
+def test_benchmark_on_a_missing_gpu_says_so_in_one_line(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(config.UsageError, match="no CUDA device"):
+        experiments.benchmark(["--device", "cuda"])
+
+
+def run_all_dry(tmp_path, *args, **knobs):
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "DRY_RUN": "1", "SCENARIOS": "cil", **knobs}
+    result = subprocess.run(["bash", str(HERE / "run_all.sh"), *args], capture_output=True, text=True, env=env,
+                            cwd=tmp_path)
+    return result, [line for line in result.stdout.splitlines() if "recl.py" in line or "experiments.py" in line]
+
+
+def test_run_all_skips_finished_runs_and_runs_a_changed_config_again(tmp_path, monkeypatch):
+    common = ["--dataset", "mnist", "--scenario", "cil", "--method", "finetune", "--out", str(tmp_path), "--epochs",
+              "3", "--seed", "0"]
+    done = config.result_path(tmp_path, resolved(*common, variant="base"))
+    config.write_json_atomically(done, fake_record("finetune", "base", 0, 1, 1))
+    line = f"python recl.py {' '.join(common)} --variant base"
     assert experiments.pending_runs([line]) == []
-    before = {k: v for k, v in done["config"].items() if k != "ce_weight"}  # CIL had no CE term then
-    cli.write_json_atomically(path, {**done, "config": before})
-    assert experiments.pending_runs([line], lambda message: None) == [line]
-    dil = config_a_run_records(common + ["--variant", "base", "--seed", "0", "--scenario", "dil"])
-    assert dil["ce_weight"] == experiments.ADDED_LATER["ce_weight"]  # a DIL run from before stays current
-    cli.write_json_atomically(path, done)
-    stale = {**fake_record("finetune", True, 1, 1, 1),  # made before a default changed
-             "config": {**config_a_run_records(common + ["--variant", "recl", "--seed", "1"]), "n_rec": 50}}
-    cli.write_json_atomically(tmp_path / "mnist-cil-finetune+recl-seed1.json", stale)
-    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "DRY_RUN": "1", "DATA_ROOT": str(tmp_path), "SEEDS": "2", "METHODS": "finetune gpm",
-           "SCENARIOS": "cil", "RESULTS": str(tmp_path), "DATASETS": "mnist cifar10"}
-    result = subprocess.run(["bash", str(HERE / "run_all.sh"), "--epochs", "3"],
-                            capture_output=True, text=True, env=env)
+    monkeypatch.setitem(config.PRESETS, "cil", {"finetune": ({"lr": 0.5, "epochs": 20}, {})})
+    assert experiments.pending_runs([line]) == [line]  # a changed default is another config
+    monkeypatch.undo()
+    result, runs = run_all_dry(tmp_path, "--epochs", "3", SEEDS="2", METHODS="finetune gpm", RESULTS=str(tmp_path),
+                               DATASETS="mnist cifar10", DATA_ROOT=str(tmp_path))
     assert result.returncode == 0, result.stderr
-    runs = [line for line in result.stdout.splitlines() if "recl.py" in line]
-    assert len(runs) == 11  # 2 methods x 3 variants x 2 seeds, less the finished one; the stale one is redone
+    assert len(runs) == 11  # 2 methods x 3 variants x 2 seeds, less the finished one
     assert not any("--method finetune --variant base --seed 0" in r for r in runs)
-    assert any("--method finetune --variant recl --seed 1" in r for r in runs)
     assert sum("--method gpm --variant recl --rec-objective inversion" in r for r in runs) == 2
-    assert "stale:" in result.stderr and "mnist-cil-finetune+recl-seed1.json (n_rec 50 -> 100)" in result.stderr
     assert all(r.rstrip().endswith("--epochs 3") for r in runs)
     assert "skipping cifar10: CIFAR10 is not under" in result.stderr
 
 
-def test_a_changed_tuned_setting_makes_a_result_stale(tmp_path, monkeypatch):
-    args = ["--method", "ewc", "--variant", "base", "--seed", "0", "--out", str(tmp_path)]
-    cli.write_json_atomically(tmp_path / "mnist-cil-ewc-seed0.json", {"config": config_a_run_records(args)})
-    line = "python recl.py " + " ".join(args)
-    assert experiments.pending_runs([line]) == []
-    monkeypatch.setitem(strategies.TUNED, "cil", {"ewc": {"lr": 0.5, "epochs": 20, "ewc_lambda": 1000.0}})
-    said = []
-    assert experiments.pending_runs([line], said.append) == [line]
-    assert "lr 0.01 -> 0.5" in said[0]
+def test_the_shipped_results_table_counts_as_done():
+    """The README's table (docs/runs/table-bf16), migrated to config digests, is what
+    run_all.sh would make today at --rec-precision bfloat16 (the CPU that made it chose it)."""
+    result, runs = run_all_dry(HERE, "--rec-precision", "bfloat16", RESULTS=str(HERE / "docs/runs/table-bf16"),
+                               SCENARIOS="cil dil")
+    assert result.returncode == 0, result.stderr
+    assert runs == [] and "0 runs to do" in result.stdout
 
 
-def test_the_shipped_results_table_counts_as_current():
-    """The README's table (docs/runs/table-bf16) was made by an older recl.py whose
-    configs hold flags that no longer exist; they must not make it look stale."""
-    folder = HERE / "docs" / "runs" / "table-bf16"
-    for name, flags in [("mnist-cil-gpm+recl-seed0.json", "--method gpm --variant recl"),
-                        ("mnist-dil-finetune-seed3.json", "--scenario dil --method finetune --variant base --seed 3")]:
-        assert "aggregate" in json.loads((folder / name).read_text())["config"]  # an old flag is there
-        line = f"python recl.py {flags} --out {folder}"
-        assert experiments.pending_runs([line], lambda *a: None) == [], name
+def test_run_all_checks_its_knobs_in_one_line(tmp_path):
+    for knobs, words in (({"SEEDS": "abc"}, "SEEDS must be a whole number"), ({"JOBS": "0"}, "JOBS must be"),
+                         ({"METHODS": "bogus"}, "bogus is not one of"), ({"VARIANTS": "all"}, "all is not one of"),
+                         ({"DATASETS": "imagenet"}, "imagenet is not one of"),
+                         ({"SCENARIOS": "til"}, "til is not one of"), ({"SWEEP": "m"}, "SWEEP needs a flag")):
+        result, _ = run_all_dry(tmp_path, **knobs)
+        assert result.returncode == 2 and result.stderr.count("\n") == 1 and words in result.stderr, knobs
 
 
-def test_quick_presets_yield_to_explicit_knobs(tmp_path):
+def test_quick_presets_yield_to_explicit_knobs_flags_and_sweeps(tmp_path):
     result, runs = run_all_dry(tmp_path, QUICK="1", SEEDS="3", METHODS="finetune", RESULTS=str(tmp_path))
     assert result.returncode == 0, result.stderr
     assert len(runs) == 9  # 3 seeds x 3 variants, not QUICK's one seed
-    quick_only, runs = run_all_dry(tmp_path, QUICK="1", METHODS="finetune", RESULTS=str(tmp_path))
+    _, runs = run_all_dry(tmp_path, QUICK="1", METHODS="finetune", RESULTS=str(tmp_path))
     assert len(runs) == 3
-    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "DRY_RUN": "1", "SCENARIOS": "cil", "QUICK": "1",
-           "METHODS": "finetune", "RESULTS": str(tmp_path)}
-    result = subprocess.run(["bash", str(HERE / "run_all.sh"), "--epochs", "9", "--n-rec", "7"],
-                            capture_output=True, text=True, env=env)
-    line = next(l for l in result.stdout.splitlines() if "recl.py" in l)
-    cfg = cli.make_parser().parse_args(line.split("recl.py")[1].split())
-    assert (cfg.epochs, cfg.n_rec) == (9, 7)  # the flags given win over QUICK's 5 and 20
-
-
-def run_all_dry(tmp_path, **knobs):
-    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "DRY_RUN": "1", "SCENARIOS": "cil", **knobs}
-    result = subprocess.run(["bash", str(HERE / "run_all.sh")], capture_output=True, text=True, env=env)
-    return result, [line for line in result.stdout.splitlines() if "recl.py" in line or "experiments.py" in line]
+    last = lambda line, flag: config.make_parser().parse_args(line.split("recl.py")[1].split()).__dict__[flag]
+    _, runs = run_all_dry(tmp_path, "--epochs", "9", "--n-rec", "7", QUICK="1", METHODS="finetune",
+                          RESULTS=str(tmp_path))
+    assert [last(r, "epochs") for r in runs] == [9, 9, 9] and [last(r, "n_rec") for r in runs] == [None, 7, 7]
+    _, runs = run_all_dry(tmp_path, QUICK="1", SWEEP="epochs 1 2", METHODS="finetune", RESULTS=str(tmp_path))
+    assert sorted(last(r, "epochs") for r in runs) == [1, 1, 1, 2, 2, 2]  # once, QUICK's 5 won
 
 
 def test_run_all_runs_the_joint_bound_once_per_seed_and_variants_as_asked(tmp_path):
     result, runs = run_all_dry(tmp_path, METHODS="finetune joint", SEEDS="2", RESULTS=str(tmp_path))
     assert result.returncode == 0, result.stderr
-    assert [sum(f"--method {m} {v} --seed" in r for r in runs) for m, v in
-            (("finetune", "--variant base"), ("finetune", "--variant recl --rec-objective inversion"),
-             ("joint", "--variant base"))] == [2, 2, 2]
-    assert len(runs) == 8 and not any("joint --variant recl" in r for r in runs)
+    assert [sum(f"--method {m}{v} --seed" in r for r in runs) for m, v in
+            (("finetune", " --variant base"), ("finetune", " --variant recl --rec-objective inversion"),
+             ("joint", ""))] == [2, 2, 2]
+    assert len(runs) == 8 and not any("joint --variant" in r for r in runs)
     _, runs = run_all_dry(tmp_path, METHODS="finetune joint", SEEDS="1", RESULTS=str(tmp_path), VARIANTS="inversion")
     assert len(runs) == 1 and "--rec-objective inversion" in runs[0]
 
 
 def test_run_all_sweeps_a_flag_into_one_folder_per_value(tmp_path):
-    (tmp_path / "m-25").mkdir()
-    finished = config_a_run_records(["--method", "finetune", "--variant", "recl", "--m", "25"])
-    cli.write_json_atomically(tmp_path / "m-25" / "mnist-cil-finetune+recl-seed0.json",
-                               {**fake_record("finetune", True, 0, 1, 1), "config": finished})
-    result, runs = run_all_dry(tmp_path, SWEEP="m 10 25", METHODS="finetune", SEEDS="1", RESULTS=str(tmp_path),
-                               VARIANTS="base recl")
+    finished = resolved("--method", "finetune", "--m", "25")
+    config.write_json_atomically(config.result_path(tmp_path / "m-25", finished),
+                                 fake_record("finetune", "recl", 0, 1, 1))
+    result, runs = run_all_dry(tmp_path, "--n-rec", "100", SWEEP="m 10 25", METHODS="finetune", SEEDS="1",
+                               RESULTS=str(tmp_path), VARIANTS="base recl")
     assert result.returncode == 0, result.stderr
     assert len(runs) == 3  # 2 values x 2 variants, less the finished one
-    assert sum(f"--out {tmp_path}/m-10 " in r and "--m 10" in r for r in runs) == 2
-    bad, _ = run_all_dry(tmp_path, SWEEP="m")
-    assert bad.returncode == 2 and "SWEEP needs a flag and its values" in bad.stderr
+    assert sum(f"--out {tmp_path}/m-10 " in r and "--m 10" in r for r in runs) == 1  # the method alone has no --m
+    assert not any("--variant base" in r and ("--m " in r or "--n-rec" in r) for r in runs)
 
 
-def test_run_all_keeps_runs_with_other_settings_apart(tmp_path):
-    """A QUICK run or one with extra flags must not count as a finished default run."""
-    fake_python = tmp_path / "python"  # skips the dataset check and lists nothing: only the folder matters
+def test_run_all_keeps_quick_runs_apart(tmp_path):
+    """A QUICK run must not sit beside the real table: its numbers mean nothing."""
+    fake_python = tmp_path / "python"  # lists nothing: only the folder matters
     fake_python.write_text('#!/bin/sh\n[ "$1" = experiments.py ] && cat > /dev/null\nexit 0\n')
     fake_python.chmod(0o755)
     def folder(*args, **knobs):
@@ -1475,8 +1619,6 @@ def test_run_all_keeps_runs_with_other_settings_apart(tmp_path):
         return result.stdout.split(" runs to do in ")[1].split(" ")[0]
     assert folder() == "results/"
     assert folder(QUICK="1") == "results/quick/"
-    assert folder("--epochs", "30", "--rec-target", "displacement") == "results/epochs_30_rec-target_displacement/"
-    assert folder("--m", "50", QUICK="1") == "results/quick_m_50/"
     assert folder("--epochs", "30", RESULTS=str(tmp_path)) == f"{tmp_path}/"  # an explicit folder wins
 
 
@@ -1488,28 +1630,45 @@ def test_run_all_tune_runs_one_search_per_method(tmp_path):
     assert nothing.returncode == 0 and "0 runs to do in results/tuning/" in nothing.stdout
 
 
-def test_queue_workers_claim_each_run_once_and_a_run_gives_what_it_gives_alone(tmp_path):
+def test_queue_workers_claim_each_run_once_and_a_run_gives_what_it_gives_alone(tmp_path, monkeypatch):
     tiny = "--epochs 1 --n-per-class 10 --n-rec 3 --variant recl --quiet"
     lines = [f"python recl.py --seed {seed} {tiny} --out {tmp_path / 'queue'}" for seed in range(3)]
-    lines += ["echo not a run", f"python recl.py --m -5 {tiny} --out {tmp_path}"]  # ignored; fails in one line
+    lines += ["echo not a run", f"python recl.py --m -5 {tiny} --out {tmp_path}",  # ignored; fails in one line
+              f"python recl.py --seed 7 {tiny} --out {tmp_path / 'queue'}"]  # fails with an unforeseen error
     (tmp_path / "commands").write_text("\n".join(lines) + "\n")
     (tmp_path / "claimed-1").touch()  # another worker has taken seed 1
-    with pytest.raises(cli.RunFailed, match="1 queued run"):
+    real_main = recl.main
+    monkeypatch.setattr(recl, "main", lambda argv: (_ for _ in ()).throw(RuntimeError("boom")) if "7" in argv
+                        else real_main(argv))
+    with pytest.raises(config.RunFailed, match="2 queued run"):
         experiments.work_through_queue(tmp_path)
-    done = sorted(p.name for p in (tmp_path / "queue").iterdir())
-    assert done == ["mnist-cil-finetune+recl-seed0.json", "mnist-cil-finetune+recl-seed2.json"]
-    assert sorted(p.name for p in tmp_path.glob("claimed-*")) == ["claimed-0", "claimed-1", "claimed-2", "claimed-4"]
+    done = sorted(p.name.split("-seed")[1] for p in (tmp_path / "queue").iterdir())
+    assert done == ["0.json", "2.json"]  # the runs after the failures ran
+    assert sorted(p.name for p in tmp_path.glob("claimed-*")) == ["claimed-0", "claimed-1", "claimed-2", "claimed-4",
+                                                                  "claimed-5"]
     # seed 2 ran after seed 0 in the same process; alone, in a fresh one, it gives the same numbers
     alone = subprocess.run([sys.executable, str(HERE / "recl.py"), "--seed", "2", *tiny.split(),
                             "--out", str(tmp_path / "alone")], capture_output=True, text=True, cwd=HERE)
     assert alone.returncode == 0, alone.stderr
-    name = "mnist-cil-finetune+recl-seed2.json"
-    queued, single = (json.loads((tmp_path / d / name).read_text()) for d in ("queue", "alone"))
+    (single,) = (tmp_path / "alone").glob("*.json")
+    queued, single = json.loads((tmp_path / "queue" / single.name).read_text()), json.loads(single.read_text())
     without_time = lambda record: [{k: v for k, v in r.items() if k != "seconds"} for r in record["reconstructions"]]
     assert queued["acc_matrix"] == single["acc_matrix"] and without_time(queued) == without_time(single)
     assert experiments.work_through_queue(tmp_path) is None  # everything claimed: a second worker does nothing
-    with pytest.raises(cli.UsageError, match="no file"):
+    with pytest.raises(config.UsageError, match="no file"):
         experiments.work_through_queue(tmp_path / "queue")
+
+
+def test_a_failing_run_in_run_all_stops_no_other_and_the_exit_says_so(tmp_path):
+    """--hp ewc_lambda=5 fails for finetune (no such hyperparameter) and runs for EWC."""
+    result = subprocess.run(["bash", str(HERE / "run_all.sh"), "--hp", "ewc_lambda=5", "--epochs", "1",
+                             "--n-per-class", "5"], capture_output=True, text=True, cwd=HERE,
+                            env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "SCENARIOS": "cil",
+                                 "METHODS": "finetune ewc", "VARIANTS": "base", "SEEDS": "1",
+                                 "RESULTS": str(tmp_path)})
+    assert result.returncode == 1
+    assert "FAILED" in result.stderr and "finetune has no hyperparameters" in result.stderr
+    assert "| ewc | 1 |" in (tmp_path / "table.md").read_text()  # the table of what finished
 
 
 def test_an_interrupted_run_all_stops_its_workers(tmp_path):

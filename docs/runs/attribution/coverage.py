@@ -28,7 +28,7 @@ for name in ("finetune+recl", "finetune+inversion"):
     shares, scores = [], []
     for path in sorted(folder.glob(f"mnist-{scenario}-{name}-seed*-task5.pt")):
         seed = int(path.stem.split("-seed")[1].split("-")[0])
-        tasks, _, mean_image = data.make_tasks("mnist", seed, 100, scenario)
+        tasks, _, mean_image, _ = data.make_tasks("mnist", seed, 100, scenario)
         real = torch.cat([t.x_train for t in tasks[:4]])
         task_of = torch.arange(4).repeat_interleave(torch.tensor([len(t.x_train) for t in tasks[:4]]))
         found = torch.load(path, weights_only=True)

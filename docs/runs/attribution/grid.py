@@ -20,7 +20,7 @@ import data  # noqa: E402
 import recl  # noqa: E402
 
 folder, scenario, target = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-tasks, _, mean_image = data.make_tasks("mnist", 0, 100, scenario)
+tasks, _, mean_image, _ = data.make_tasks("mnist", 0, 100, scenario)
 real = torch.cat([t.x_train for t in tasks[:4]])
 pick = torch.linspace(0, len(real) - 1, 16).long()  # two images from each block of 100: each old class
 rows = [recl.as_picture(real[pick], mean_image)]

@@ -1,0 +1,113 @@
+"""Judging a reconstruction: how close are the candidates to the real old images?
+
+Reporting only: training never sees these real images (the supervised search of
+Sec. 4.3, an ablation that stores a few of them, is the one exception; recl.py
+part 4). App. D.5 in three steps:
+  1. standardise both sets (each image minus its set's mean image, over the
+     set's spread) and match each real image to its nearest candidate by L2;
+  2. add the training mean image back and stretch each image to [0, 1];
+  3. SSIM of each pair. Haim et al. (2022) count SSIM > 0.4 as recovered.
+One change to step 2: the paper adds the mean to the *standardised*
+candidates, which have lost their set's mean image and have unit spread, so
+even exact copies of the real images would score well below 1. We first give
+the standardised candidates the real set's mean image and spread; the score
+then ignores only their overall scale and offset (test_recl.py checks both).
+"""
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+def ssim(a, b, window=11, sigma=1.5):
+    """Mean SSIM (Wang et al. 2004) of each image pair in [0, 1]; Gaussian window, valid borders."""
+    channels, size = a.shape[1], min(window, a.shape[-2], a.shape[-1])
+    g = torch.exp(-(torch.arange(size, dtype=a.dtype, device=a.device) - (size - 1) / 2) ** 2 / (2 * sigma ** 2))
+    kernel = (torch.outer(g, g) / g.sum() ** 2).expand(channels, 1, size, size)
+    blur = lambda t: F.conv2d(t, kernel, groups=channels)
+    mu_a, mu_b = blur(a), blur(b)
+    var_a, var_b = blur(a * a) - mu_a ** 2, blur(b * b) - mu_b ** 2
+    cov = blur(a * b) - mu_a * mu_b
+    c1, c2 = 0.01 ** 2, 0.03 ** 2
+    index = (2 * mu_a * mu_b + c1) * (2 * cov + c2) / ((mu_a ** 2 + mu_b ** 2 + c1) * (var_a + var_b + c2))
+    return index.flatten(1).mean(1)
+
+
+def standardise(images):
+    """Each image minus the set's mean image, divided by the set's spread around it."""
+    centred = images - images.mean(0)
+    return centred / centred.std().clamp_min(1e-12)
+
+
+def nearest_candidates(reference, candidates):
+    """Index of the nearest candidate for each reference image, each set standardised on its own."""
+    return torch.cdist(standardise(reference).flatten(1), standardise(candidates).flatten(1)).argmin(1)
+
+
+def on_reference_scale(candidates, reference):
+    """Standardised candidates with the reference set's mean image and spread."""
+    centred = reference - reference.mean(0)
+    return standardise(candidates) * centred.std() + reference.mean(0)
+
+
+def as_picture(x, mean_image):
+    """Undo the mean subtraction and stretch each image to [0, 1]."""
+    x = x + mean_image
+    low = x.flatten(1).min(1).values.view(-1, *[1] * (x.dim() - 1))
+    high = x.flatten(1).max(1).values.view(-1, *[1] * (x.dim() - 1))
+    return (x - low) / (high - low).clamp_min(1e-12)
+
+
+def reconstruction_quality(reference, candidates, mean_image):
+    """SSIM of every reference image with its nearest candidate, and those candidates' indices."""
+    nearest = nearest_candidates(reference, candidates)
+    shown = on_reference_scale(candidates, reference)[nearest]
+    return ssim(as_picture(reference, mean_image), as_picture(shown, mean_image)), nearest
+
+
+def save_pairs(path, reference, candidates, nearest, mean_image, n=32):
+    """PNG grid: rows of real images, each row followed by the nearest reconstructions."""
+    from torchvision.utils import save_image
+    pick = torch.linspace(0, len(reference) - 1, min(n, len(reference))).long()  # spread over old classes
+    real = as_picture(reference[pick], mean_image)
+    found = as_picture(on_reference_scale(candidates, reference)[nearest[pick]], mean_image)
+    rows = [t for pair in zip(real.split(16), found.split(16)) for t in pair]
+    save_image(torch.cat(rows).cpu(), path, nrow=16, padding=1, pad_value=1.0)
+
+
+def judge_reconstruction(old_tasks, x_rec, cfg, mean_image):
+    """SSIM of the old real images with their nearest reconstructions, and for comparison
+    with two other sets of as many images: the random candidates the reconstruction
+    started from (a floor) and held-out real images of the old classes (what a perfect
+    look-alike of the data, not a copy, would score)."""
+    real = torch.cat([t.x_train for t in old_tasks])
+    mean_image = mean_image.to(real.device)
+    # the noise the candidates started from: the same draw as recl.initial_candidates
+    start = torch.randn(len(x_rec), *real.shape[1:], generator=torch.Generator().manual_seed(cfg.seed)) * cfg.sigma_x
+    held_out = torch.cat([t.x_test for t in old_tasks])
+    pick = torch.randperm(len(held_out), generator=torch.Generator().manual_seed(cfg.seed))[:len(x_rec)]
+    found, nearest = reconstruction_quality(real, x_rec, mean_image)
+    floor, _ = reconstruction_quality(real, start.to(real.device), mean_image)
+    ceiling, _ = reconstruction_quality(real, held_out[pick.to(held_out.device)], mean_image)
+    quality = {}
+    for prefix, scores in (("", found), ("init_", floor), ("real_", ceiling)):
+        quality[prefix + "mean_ssim"] = scores.mean().item()
+        quality[prefix + "frac_ssim_above_0_4"] = (scores > 0.4).float().mean().item()
+    return quality, real, nearest, mean_image
+
+
+def report_reconstruction(name, old_tasks, x_rec, cfg, mean_image, image_path=None, log=print):
+    """Log how close the reconstructions made before task len(old_tasks) + 1 are, and save
+    their image grid to `image_path`-taskT.png (and the candidates as .pt) if given;
+    returns the figures for the run's JSON."""
+    task = len(old_tasks) + 1
+    quality, real, nearest, mean_image = judge_reconstruction(old_tasks, x_rec, cfg, mean_image)
+    log(f"  [{name}] task {task}: SSIM to nearest real image {quality['mean_ssim']:.3f} "
+        f"(random candidates {quality['init_mean_ssim']:.3f}, held-out real {quality['real_mean_ssim']:.3f}), "
+        f"{100 * quality['frac_ssim_above_0_4']:.0f}% above 0.4")
+    if image_path is not None:
+        path = Path(image_path).with_name(f"{Path(image_path).stem}-task{task}.png")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_pairs(path, real, x_rec, nearest, mean_image)
+        torch.save(x_rec.cpu(), path.with_suffix(".pt"))  # the candidates themselves, for other figures
+    return {"task": task, **quality}
