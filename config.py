@@ -16,9 +16,10 @@ setting never share a file or a table row (`result_path`).
 
 Adding a method: write its hooks in strategies.py and give it one entry in
 strategies.STRATEGIES (hooks, and each hyperparameter's default and valid
-range). It then runs at DEFAULT_TRAINING and its literature defaults; a row in
-PRESETS, once chosen on validation data (`python experiments.py tune`), makes
-those its defaults.
+range); add its name to ALL_METHODS in run_all.sh for the full table. It then
+runs at DEFAULT_TRAINING and its literature defaults; a row in PRESETS, once
+chosen on validation data (`python experiments.py tune`), makes those its
+defaults.
 
 Also here: the command line's flags, the one-line errors, the atomic writers
 and what a result records about the machine that made it.
@@ -185,17 +186,18 @@ def resolve(args, seed, variant):
     given = {k: v for k, v in vars(args).items() if v is not None}
     device = given["device"] if given.get("device", "auto") != "auto" else (
         "cuda" if torch.cuda.is_available() else "cpu")
-    base = preset(args.scenario, args.method, "base" if args.paper else variant)
+    paper = bool(args.paper)
+    base = preset(args.scenario, args.method, "base" if paper else variant)
     fields = {"dataset": args.dataset, "scenario": args.scenario, "method": args.method, "variant": variant,
               "model": args.model, "seed": seed, "n_per_class": args.n_per_class, "validation": args.validation,
               "classes_per_task": given.get("classes_per_task", 20 if args.dataset == "tinyimagenet" else 2),
-              "data_root": args.data_root, "batch_size": args.batch_size, "device": device,
+              "data_root": args.data_root or "data", "batch_size": args.batch_size, "device": device,
               "lr": given.get("lr", base["lr"]), "epochs": given.get("epochs", base["epochs"]),
               "hp": {**{k: base[k] for k in strategies.defaults(args.method)}, **dict(args.hp)}}
     if variant != "base":
         rec = {k: (v[args.scenario] if isinstance(v, dict) else v) for k, v in RECONSTRUCTION.items()}
         rec["replay_noise"] = base.get("replay_noise", rec["replay_noise"])
-        rec.update(PAPER if args.paper else {}, m=args.n_per_class or 100, paper=args.paper)
+        rec.update(PAPER if paper else {}, m=args.n_per_class or 100, paper=paper)
         rec.update({k: given[k] for k in rec if k in given})
         if variant == "inversion":
             rec.update({k: None for k in NOT_FOR_INVERSION})
@@ -270,33 +272,37 @@ RECL_FLAGS = ["m", "n_rec", "sigma_x", "lr_x", "lr_lambda", "lambda_min", "alpha
 SWITCHES = {"paper", "save_images", "freeze_old", "no_freeze_old", "filter", "no_filter"}
 
 
-def without_recl_flags(argv):
-    """`argv` less the +ReCL-only flags and their values: what run_all.sh passes to the runs
-    of a method alone, which refuse them."""
+def without_flags(argv, names):
+    """`argv` less the flags named (config names) and their values: run_all.sh passes its
+    extra flags to every run, and a run that does not use one would refuse it."""
     kept, skip = [], False
     for word in argv:
         name = word[2:].split("=")[0].replace("-", "_") if word.startswith("--") else None
         if skip:
             skip = False
-        elif name is not None and name.removeprefix("no_") in RECL_FLAGS:
+        elif name is not None and name.removeprefix("no_") in names:
             skip = "=" not in word and name not in SWITCHES
         else:
             kept.append(word)
     return kept
 
 
-def make_parser(prog="recl.py"):
-    """Every flag defaults to None, "not given": `resolve` fills in the presets."""
-    p = Parser(prog=prog, description="Train a continual-learning method with and without ReCL (reconstruction "
-               "of old data from the model) on a stream of tasks, and report ACC and BWT. Default: SplitMNIST "
-               "from the shipped MNIST subset. Defaults not shown come from config.py's PRESETS.")
+DESCRIPTION = ("Train a continual-learning method with and without ReCL (reconstruction of old data from the "
+               "model) on a stream of tasks, and report ACC and BWT. Default: SplitMNIST from the shipped MNIST "
+               "subset. Defaults not shown come from config.py's PRESETS.")
+
+
+def make_parser(prog="recl.py", description=DESCRIPTION):
+    """Every flag that can be refused defaults to None, "not given": `resolve` fills in the presets."""
+    p = Parser(prog=prog, description=description)
     p.add_argument("--scenario", choices=["cil", "dil"], default="cil",
                    help="class-incremental (a growing head) or domain-incremental (the same labels every task)")
     p.add_argument("--method", choices=METHODS, default="finetune", help="the continual-learning method")
     p.add_argument("--variant", choices=["both", "base", "recl"],
                    help="the method alone, with ReCL, or both on the same seeds (default: both)")
     p.add_argument("--dataset", default="mnist", help=f"one of {', '.join(data.DATASETS)}, or a .pt file")
-    p.add_argument("--data-root", default="data", help="where mnist-full, cifar10, tinyimagenet live")
+    p.add_argument("--data-root", help="where mnist-full, fashion-mnist, cifar10, tinyimagenet live "
+                                       "(default: data; mnist and .pt files do not use it)")
     p.add_argument("--classes-per-task", type=int, help="classes per task (default: 2; 20 for tinyimagenet)")
     p.add_argument("--model", choices=models.MODELS, default="mlp",
                    help="the paper's homogeneous MLP or CNN, or a non-homogeneous AlexNet/ResNet18")
@@ -351,14 +357,12 @@ def make_parser(prog="recl.py"):
                    help="auto: CUDA when present (default: auto)")
     p.add_argument("--out", default="results", help="folder for one JSON file per run (default: results)")
     p.add_argument("--quiet", action="store_true", help="print only one line per finished run")
-    p.set_defaults(paper=False)
     return p
 
 
 def given(args, name):
-    """Whether the command line set config field `name` (defaults are None, or False for switches)."""
-    value = getattr(args, name, None)
-    return value is not None and value is not False
+    """Whether the command line set flag `name`: every flag it may refuse defaults to None."""
+    return getattr(args, name, None) is not None
 
 
 def check(args, probe_out=True):
@@ -395,6 +399,8 @@ def check(args, probe_out=True):
         raise UsageError("--trials sets the Sec. 4.3 search; it needs --tuning unsup or sup")
     if args.dataset not in data.DATASETS and not args.dataset.endswith(".pt"):
         raise UsageError(f"--dataset must be one of {', '.join(data.DATASETS)} or a .pt file, got {args.dataset!r}")
+    if args.data_root is not None and (args.dataset == "mnist" or args.dataset.endswith(".pt")):
+        raise UsageError(f"--data-root: {args.dataset} is not read from a data folder; leave it out")
     most = data.MNIST_SUBSET_PER_CLASS - 1  # keep at least one test image
     if args.dataset == "mnist" and (args.n_per_class or most + 1) > most:
         raise UsageError(f"--n-per-class {args.n_per_class or 'all'} is more than mnist allows "

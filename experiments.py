@@ -70,17 +70,20 @@ def result_paths(args):
 
 def pending_runs(lines, say=lambda message: print(message, file=sys.stderr)):
     """The command lines (each one run, or one search) whose result is missing, less those
-    of datasets that cannot be loaded. A line for the method alone loses the +ReCL flags
-    that run_all.sh passes to every run, which the method alone would refuse."""
+    of datasets that cannot be loaded. run_all.sh passes its extra flags to every run: a
+    line loses those its run does not use and would refuse (the +ReCL flags for the
+    method alone, Eq. 3-6's for the inversion control)."""
     todo, loadable = [], {}
     for line in lines:
         command = command_args(line)
         if command is None:
             continue
         kind, argv = command
-        if kind == "run" and ("--method" in argv and argv[argv.index("--method") + 1:][:1] == ["joint"]
-                              or "--variant" in argv and argv[argv.index("--variant") + 1:][:1] == ["base"]):
-            kept = config.without_recl_flags(argv)
+        value = lambda flag: argv[argv.index(flag) + 1:][:1] if flag in argv else []
+        unused = (config.RECL_FLAGS if value("--method") == ["joint"] or value("--variant") == ["base"]
+                  else config.NOT_FOR_INVERSION if value("--rec-objective") == ["inversion"] else ())
+        if kind == "run" and unused:
+            kept = config.without_flags(argv, unused)
             words = shlex.split(line)
             line, argv = shlex.join(words[:len(words) - len(argv)] + kept), kept
         try:
@@ -91,7 +94,7 @@ def pending_runs(lines, say=lambda message: print(message, file=sys.stderr)):
             continue
         if args.dataset not in loadable:  # each dataset once: a dataset that cannot load skips its runs
             try:
-                data.load(args.dataset, args.data_root)
+                data.load(args.dataset, args.data_root or "data")
                 loadable[args.dataset] = True
             except data.DataError as err:
                 loadable[args.dataset] = False
@@ -240,19 +243,21 @@ def tuning_table(searches):
 
 
 def drawn(records, say=print):
-    """The runs the charts draw: finished, on the test set, at naive tuning, and for each
-    method variant the config with the most seeds (the others are named, not drawn)."""
+    """The runs the charts draw: finished, on the test set, at naive tuning, and only for
+    methods whose every variant has one config in the folder with one task count, so a
+    figure never sets one experiment beside another (the others are named, not drawn)."""
     chosen = [r for r in records if not r.get("diverged") and not r["config"].get("validation")
               and (r["config"].get("tuning") or "naive") == "naive"]
-    groups = {}
+    methods = {}
     for r in chosen:
-        groups.setdefault((r["dataset"], r["scenario"], run_name(r)), {}).setdefault(r["digest"], []).append(r)
+        methods.setdefault((r["dataset"], r["scenario"], r["method"]), []).append(r)
     kept = []
-    for (dataset, scenario, name), by_digest in groups.items():
-        runs = max(by_digest.values(), key=len)
-        kept += runs
-        if len(by_digest) > 1:
-            say(f"charts: {dataset} {scenario} {name} has {len(by_digest)} configs; drawn: [{runs[0]['digest']}]")
+    for (dataset, scenario, method), runs in methods.items():
+        configs = {(run_name(r), r["digest"]) for r in runs}
+        if len(configs) > len({name for name, _ in configs}) or len({len(r["acc_matrix"]) for r in runs}) > 1:
+            say(f"charts: {dataset} {scenario} {method} has runs of several configs; not drawn (see the table)")
+        else:
+            kept += runs
     return kept
 
 
@@ -385,6 +390,7 @@ def tune_method(cfg, trials, log=print):
     loaded into the tasks this sees. Returns every trial, best first.
     """
     tasks, _, mean_image, _ = recl.make_tasks(cfg)
+    config.check_tasks(tasks, cfg)
     grid = {**strategies.TRAINING_GRID, **strategies.SEARCH_GRID.get(cfg.method, {})}
     combos = list(itertools.product(*grid.values()))
     picks = torch.randperm(len(combos), generator=torch.Generator().manual_seed(cfg.seed))[:trials]
@@ -426,9 +432,18 @@ def tuning_path(args):
 
 def tune(argv, log=None):
     """tune: run the validation search, save every trial, print the winner."""
-    parser = config.make_parser(prog="experiments.py tune")
+    parser = config.make_parser("experiments.py tune", "Choose a method's lr, epochs and own hyperparameters on "
+                                "a validation split of seed --seed (paper App. D.3): --draws settings from "
+                                "strategies.TRAINING_GRID and SEARCH_GRID, each scored by the validation ACC of "
+                                "the method alone, or with --variant recl of its +ReCL variant. Takes recl.py's "
+                                "flags for everything else.")
     parser.add_argument("--draws", type=int, default=10, help="settings drawn from the grid (default: 10)")
     args = parser.parse_args(argv)
+    if args.variant == "both":
+        raise UsageError("tune scores one variant: --variant base (the default) or recl")
+    if args.save_images:
+        raise UsageError("--save-images does not apply to tune: it keeps no run's reconstructions")
+    args.variant = args.variant or "base"  # so that check refuses the +ReCL flags of a base search
     config.check(args)
     if args.draws < 1:
         raise UsageError(f"--draws must be at least 1, got {args.draws}")
@@ -437,8 +452,6 @@ def tune(argv, log=None):
             raise UsageError(f"tune chooses --{flag} itself; leave it out")
     if args.seeds is not None:
         raise UsageError("tune searches on one seed (--seed); --seeds does not apply")
-    if args.variant == "both":
-        raise UsageError("tune scores one variant: --variant base (the default) or recl")
     log = log or ((lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True)))
     cfg = tuned_config(args)
     trials = tune_method(cfg, args.draws, log)

@@ -97,16 +97,16 @@ def judge_reconstruction(old_tasks, x_rec, cfg, mean_image):
 
 
 def report_reconstruction(name, old_tasks, x_rec, cfg, mean_image, image_path=None, log=print):
-    """Log how close the reconstructions made before task len(old_tasks) + 1 are, and save
-    their image grid to `image_path`-taskT.png (and the candidates as .pt) if given;
-    returns the figures for the run's JSON."""
+    """Log how close the reconstructions made before task len(old_tasks) + 1 are, and, given
+    the run's JSON path RUN.json as `image_path`, save their image grid as RUN-taskT.png
+    and the candidates as RUN-taskT.pt; returns the figures for the run's JSON."""
     task = len(old_tasks) + 1
     quality, real, nearest, mean_image = judge_reconstruction(old_tasks, x_rec, cfg, mean_image)
     log(f"  [{name}] task {task}: SSIM to nearest real image {quality['mean_ssim']:.3f} "
         f"(random candidates {quality['init_mean_ssim']:.3f}, held-out real {quality['real_mean_ssim']:.3f}), "
         f"{100 * quality['frac_ssim_above_0_4']:.0f}% above 0.4")
     if image_path is not None:
-        path = Path(image_path).with_name(f"{Path(image_path).stem}-task{task}.png")
+        path = Path(image_path).with_name(f"{Path(image_path).stem}-task{task}.png")  # RUN.json -> RUN-taskT.png
         path.parent.mkdir(parents=True, exist_ok=True)
         save_pairs(path, real, x_rec, nearest, mean_image)
         torch.save(x_rec.cpu(), path.with_suffix(".pt"))  # the candidates themselves, for other figures

@@ -15,20 +15,12 @@ current weights, which recovers look-alikes of the old training data from the
 model alone (Step 1, Sec. 4.1). It then trains on those reconstructions mixed
 with the new task's data (Step 2, Sec. 4.2). No stored real data, no generator.
 
-Reading order:
-    1. Reconstruction       Eq. 3-6 as the paper writes them, whole; then each
-                            departure from it, and the inversion control
-    2. Metrics              Eq. 1-2: ACC and BWT from the accuracy matrix R[t, i]
-    3. The loop             one training loop into which strategies.py hooks;
-                            ReCL only adds data to it
-    4. Tuning               the in-training searches of Sec. 4.3
-    5. main                 one Config per run (config.py), checked before
-                            anything trains; one JSON file per run
-
-config.py holds every default of a run in one table and the command line;
-judging.py the SSIM of App. D.5; experiments.py what produces this project's
-tables (the queue behind run_all.sh, aggregation and charts, the methods'
-validation search, the benchmark).
+Reading order: 1. the reconstruction, Eq. 3-6 whole as the paper writes them,
+then each departure from it and the inversion control; 2. the metrics, Eq. 1-2;
+3. the one training loop, into which strategies.py hooks and to which ReCL only
+adds data; 4. the in-training searches of Sec. 4.3; 5. main. config.py holds
+every default of a run in one table, judging.py the SSIM of App. D.5, and
+experiments.py what produces this project's tables.
 """
 import dataclasses
 import math
@@ -60,10 +52,12 @@ from config import RunFailed, UsageError
 #   L_prior  = sum_{i,k} relu(|x_ik| - 1)^2                                      (Eq. 5)
 #   L_full   = L_rec + L_lambda + L_prior                                        (Eq. 6)
 #
-# Eq. 4 and 5 are written in the paper with plain hinges; like the public
-# reference code (Buzaglo et al. 2023) we square them, which keeps the loss
-# smooth, and scale the gradient sum by 1/m so that lambda_min means the same for
-# any m. The norm in Eq. 3 runs over every parameter tensor of the network.
+# Three details of the form, the same in every run (with --paper too): the paper
+# prints Eq. 4 as sum_i max(-lambda_i, -lambda_min) and Eq. 5 with plain hinges;
+# like the public reference code (Buzaglo et al. 2023) we use squared hinges,
+# which keep the loss smooth, with this code's weight 5 on Eq. 4; and we scale the
+# gradient sum by 1/m so that lambda_min means the same for any m. The norm in
+# Eq. 3 runs over every parameter tensor of the network.
 
 def margins(model, params, x, y):
     """Phi_y(x) - max_{j != y} Phi_j(x) for a batch, with the network's weights as `params`."""
@@ -119,7 +113,7 @@ def stationarity_loss(model, params, labels, target, lambda_min, m=None, scale=1
 
 
 def paper_objective(net, params, labels, cfg):
-    """Eq. 6 as the paper writes it: Eq. 3 fits the weights theta themselves."""
+    """Eq. 6 as the paper states it (in the form above): Eq. 3 fits the weights theta themselves."""
     return stationarity_loss(net, params, labels, params, cfg.lambda_min)
 
 
@@ -164,6 +158,8 @@ def reconstruct(model, labels, input_shape, cfg, log=print, objective=paper_obje
         losses.append(loss.item())
         if step == 0:
             first_terms = {k: v.detach() for k, v in terms.items()}
+        elif step % max(1, cfg.n_rec // 4) == 0 and step < cfg.n_rec:  # progress at each quarter
+            log(f"    step {step}/{cfg.n_rec}: loss {losses[-1]:.4g}")
         if not math.isfinite(losses[-1]):
             break
         if best is None or losses[-1] < best[0]:  # a step can overshoot: keep the best candidates seen
@@ -175,23 +171,22 @@ def reconstruct(model, labels, input_shape, cfg, log=print, objective=paper_obje
         loss.backward()
         opt_x.step()
         opt_lam.step()
-        if (step + 1) % max(1, cfg.n_rec // 4) == 0 and step + 1 < cfg.n_rec:  # progress at each quarter
-            log(f"    step {step + 1}/{cfg.n_rec}: loss {losses[-1]:.4g}")
     if best is None:  # not even the start has a finite loss: hand back the start, flagged
         best = (losses[0], x.detach(), lam.detach(), {k: v.detach() for k, v in terms.items()})
     return best[1], best[2], reconstruction_report(losses, best, first_terms)
 
 
 def reconstruction_report(losses, best, first_terms):
-    """What a reconstruction did: its first and kept losses, and why it failed, if it did:
-    a loss that turned non-finite or ended above its start, or no step that lowered it."""
+    """What a reconstruction did: the loss at its start, of the candidates it kept, and at
+    its last step; and why it failed, if it did: the optimisation diverged (a loss that
+    turned non-finite, or a last step above the start), or no step lowered the loss."""
     first, last = losses[0], losses[-1]
     failed = (f"diverged at step {len(losses) - 1}" if not math.isfinite(last)
-              else f"climbed from {first:.4g} to {last:.4g}" if last > first
+              else f"diverged: the last step's loss {last:.4g} is above the start's {first:.4g}" if last > first
               else "no step lowered the loss" if best[0] >= first else None)
-    return {"steps": len(losses) - 1, "first_loss": first, "last_loss": best[0], "final_loss": last,
+    return {"steps": len(losses) - 1, "first_loss": first, "kept_loss": best[0], "last_step_loss": last,
             "first_terms": {k: v.item() for k, v in first_terms.items()},
-            "last_terms": {k: v.item() for k, v in best[3].items()}, "failed": failed}
+            "kept_terms": {k: v.item() for k, v in best[3].items()}, "failed": failed}
 
 # -----------------------------------------------------------------------------
 # Departures from the paper, and a control
@@ -412,7 +407,7 @@ def run_continual(cfg, tasks, log=print, judge=None, mean_image=None):
             reconstructions.append({"task": t + 1, **report, "kept": len(x_rec),
                                     "seconds": round(time.time() - start, 2)})
             log(f"  [{name}] task {t + 1}: reconstructed {len(x_rec)}/{report['candidates']}, "
-                f"loss {report['first_loss']:.4g} -> {report['last_loss']:.4g}"
+                f"loss {report['first_loss']:.4g} -> {report['kept_loss']:.4g}"
                 + (f", FLAGGED: {report['failed']} (kept its lowest-loss candidates)" if report["failed"] else ""))
             if judge and len(x_rec):
                 recon_quality.append(judge(tasks[:t], x_rec))
@@ -503,9 +498,9 @@ def random_search(candidates, evaluate):
 
 
 def sample_hyperparameters(gen, centre):
-    """One draw: each hyperparameter log-uniform in [centre / factor, centre * factor]."""
-    return {name: centre[name] * factor ** (2 * torch.rand(1, generator=gen).item() - 1)
-            for name, factor in SEARCH_SPACE.items()}
+    """One draw: each hyperparameter of `centre` log-uniform in [centre / factor, centre * factor]."""
+    return {name: centre[name] * SEARCH_SPACE[name] ** (2 * torch.rand(1, generator=gen).item() - 1)
+            for name in centre}
 
 
 def reference_buffer(old_tasks, fraction, seed):
@@ -519,10 +514,10 @@ def reference_buffer(old_tasks, fraction, seed):
 def search_reconstruction(model, old_tasks, cfg, log=print, earlier=None, mean_image=None):
     """Step 1 with a search: `cfg.trials` reconstructions, trial 1 at the run's own values,
     the others drawn around them (only those that apply to its objective). Returns the one
-    the score rates highest; its report names the values used. A failed draw loses."""
+    the score rates highest; its report names the values used."""
     seed = cfg.seed * 100 + len(old_tasks)  # the search's own draws, new before each task
     if cfg.tuning == "unsup":  # the lowest final L_full; needs no old data
-        score = lambda x, report: -report["last_loss"]
+        score = lambda x, report: -report["kept_loss"]
     else:  # sup: SSIM against a few stored real images of each old task
         buffer = reference_buffer(old_tasks, 0.1, seed)
         mean = torch.zeros(buffer.shape[1:]) if mean_image is None else mean_image
@@ -533,7 +528,10 @@ def search_reconstruction(model, old_tasks, cfg, log=print, earlier=None, mean_i
 
     def evaluate(hp):
         x, y, lam, report = reconstruct_old_data(model, old_tasks, dataclasses.replace(cfg, **hp), log, earlier)
-        value = -math.inf if report["failed"] else score(x, report)
+        # a draw whose kept candidates are no better than its start loses; one that overshot
+        # after improving competes with what it kept (it is still flagged in the run)
+        useless = not math.isfinite(report["kept_loss"]) or report["kept_loss"] >= report["first_loss"]
+        value = -math.inf if useless else score(x, report)
         log(f"    trial {candidates.index(hp) + 1}/{cfg.trials}: " + " ".join(f"{k} {v:.3g}" for k, v in hp.items())
             + f" -> score {value:.4g}")
         return value, None, (x, y, lam, {**report, "hyperparameters": hp, "score": value})
@@ -577,7 +575,7 @@ def main(argv=None):
         name = config.variant_name(cfg.method, cfg.variant)
         path = config.result_path(args.out, cfg)
         log(f"{config.describe(cfg)} | class order {class_order}")
-        image_path = path.with_suffix("") if args.save_images else None
+        image_path = path if args.save_images else None  # the images are named like the JSON
         judge = lambda old, x_rec: judging.report_reconstruction(name, old, x_rec, cfg, mean_image, image_path, log)
         record = run_continual(cfg, tasks, log, judge, mean_image)
         record.update(dataset=config.dataset_name(cfg.dataset), class_order=class_order, classes_left_out=left_out,

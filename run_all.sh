@@ -8,7 +8,7 @@
 #   QUICK=1 bash run_all.sh              # 1 seed, few epochs and steps: minutes
 #                                        # (SEEDS=3 QUICK=1, QUICK=1 ... --epochs 10: yours win)
 #   JOBS=2 METHODS="finetune gpm" bash run_all.sh --epochs 30   # args pass through
-#   TUNE=1 JOBS=2 bash run_all.sh        # the validation search behind strategies.TUNED
+#   TUNE=1 JOBS=2 bash run_all.sh        # the validation search behind config.PRESETS
 #   SWEEP="m 10 25 50 75 125" METHODS=finetune bash run_all.sh   # a sensitivity study:
 #                                        # one folder per value, RESULTS/m-10, ..., each run with --m 10, ...
 #
@@ -28,7 +28,9 @@ cd "$(dirname "$0")"
 
 DATASETS=${DATASETS:-mnist}
 SCENARIOS=${SCENARIOS:-cil dil}
-METHODS=${METHODS:-finetune ewc er upgd agem lwf gpm joint}
+ALL_METHODS="finetune ewc er upgd agem lwf gpm joint"  # config.METHODS (a test keeps them equal)
+ALL_DATASETS="mnist mnist-full fashion-mnist cifar10 tinyimagenet"  # data.DATASETS, the same
+METHODS=${METHODS:-$ALL_METHODS}
 VARIANTS=${VARIANTS:-base recl inversion}  # inversion: ReCL's pipeline with the model-inversion control
 SEEDS_GIVEN=${SEEDS:-}
 SEEDS=${SEEDS:-5}
@@ -47,11 +49,11 @@ within() {  # within KNOB "VALUES" "ALLOWED": every value is one of the allowed 
 }
 [[ "$SEEDS" =~ ^[1-9][0-9]*$ ]] || refuse "SEEDS must be a whole number of seeds, at least 1, got \"$SEEDS\""
 [[ "$JOBS" =~ ^[1-9][0-9]*$ ]] || refuse "JOBS must be a whole number of workers, at least 1, got \"$JOBS\""
-within METHODS "$METHODS" "finetune ewc er upgd agem lwf gpm joint"
+within METHODS "$METHODS" "$ALL_METHODS"
 within VARIANTS "$VARIANTS" "base recl inversion"
 within SCENARIOS "$SCENARIOS" "cil dil"
 for dataset in $DATASETS; do
-  [[ "$dataset" == *.pt ]] || within DATASETS "$dataset" "mnist mnist-full fashion-mnist cifar10 tinyimagenet"
+  [[ "$dataset" == *.pt ]] || within DATASETS "$dataset" "$ALL_DATASETS"
 done
 # Runs with other settings get their own default folder (results/quick,
 # results/epochs_30, ...), so a finished run is never mistaken for one made
@@ -82,11 +84,13 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / JOBS > 0 ? $(nproc) / J
 
 every_run() {  # one shell command per run, finished or not
   for dataset in $DATASETS; do
+    root=(--data-root "$DATA_ROOT")  # only the datasets that live in a data folder take it
+    [ "$dataset" = mnist ] || [[ "$dataset" == *.pt ]] && root=()
     for scenario in $SCENARIOS; do
       for method in $METHODS; do
         if [ "$TUNE" = 1 ]; then  # one validation search per method, on seed 0
           printf '%q ' "$PYTHON" experiments.py tune --dataset "$dataset" --scenario "$scenario" \
-            --method "$method" --seed 0 --out "$RESULTS" --quiet --data-root "$DATA_ROOT" \
+            --method "$method" --seed 0 --out "$RESULTS" --quiet ${root[@]+"${root[@]}"} \
             ${EXTRA[@]+"${EXTRA[@]}"}
           echo
           continue
@@ -104,7 +108,7 @@ every_run() {  # one shell command per run, finished or not
               # later flags win in recl.py: QUICK's presets, then yours, then the sweep's value
               printf '%q ' "$PYTHON" recl.py --dataset "$dataset" --scenario "$scenario" \
                 --method "$method" ${flags[@]+"${flags[@]}"} --seed "$seed" --out "$out" --quiet \
-                --data-root "$DATA_ROOT" ${quick[@]+"${quick[@]}"} \
+                ${root[@]+"${root[@]}"} ${quick[@]+"${quick[@]}"} \
                 ${EXTRA[@]+"${EXTRA[@]}"} ${point:+$point}
               echo
             done

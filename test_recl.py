@@ -274,7 +274,7 @@ def test_displacement_is_a_gradient_combination_and_the_weights_are_not(trained_
     for target in ("displacement", "weights"):
         cfg = run_config(n_rec=300, rec_target=target, ce_weight=0.0)
         _, _, report = step1(model, labels_rec, (1, 28, 28), cfg)
-        unexplained[target] = report["last_terms"]["rec"] / report["first_terms"]["rec"]
+        unexplained[target] = report["kept_terms"]["rec"] / report["first_terms"]["rec"]
     # measured: 0.03 and 0.81
     assert unexplained["displacement"] < 0.1 < 0.5 < unexplained["weights"], unexplained
 
@@ -288,7 +288,7 @@ def test_bfloat16_reconstruction_fits_like_float32(trained_on_eight_digits):
     for precision in ("float32", "bfloat16"):
         cfg = run_config(n_rec=300, rec_target="displacement", rec_precision=precision)
         x_rec, _, report = step1(model, labels_rec, (1, 28, 28), cfg)
-        found[precision], unexplained[precision] = x_rec, report["last_terms"]["rec"] / report["first_terms"]["rec"]
+        found[precision], unexplained[precision] = x_rec, report["kept_terms"]["rec"] / report["first_terms"]["rec"]
     assert not torch.equal(found["float32"], found["bfloat16"])
     # measured: 0.034 for both, nearest cosine 0.667 for both
     assert unexplained["bfloat16"] < 0.1 and abs(unexplained["bfloat16"] - unexplained["float32"]) < 0.01, unexplained
@@ -316,7 +316,7 @@ def test_inverted_candidates_are_classified_as_their_labels(trained_on_eight_dig
     after = recl.classified_as_labelled(model, x_rec, labels).float().mean()
     assert before == 0.5 and after == 1.0, (before, after)  # noise all lands in one class at first
     # measured: the summed cross-entropy falls from 11.1 to 0.93
-    assert report["last_terms"]["ce"] < 0.2 * report["first_terms"]["ce"] and "rec" not in report["last_terms"]
+    assert report["kept_terms"]["ce"] < 0.2 * report["first_terms"]["ce"] and "rec" not in report["kept_terms"]
 
 
 def test_a_reconstruction_that_overflows_hands_back_its_best_finite_candidates_flagged():
@@ -344,7 +344,7 @@ def test_a_reconstruction_that_blows_up_gradually_keeps_its_best_candidates():
     assert 10 < report["steps"] < 500 and report["failed"].startswith("diverged")  # it climbed, then overflowed
     torch.testing.assert_close(x, start)
     # the report describes the candidates returned: the start's loss, not the overflow
-    assert report["last_loss"] == report["first_loss"] == report["last_terms"]["rec"]
+    assert report["kept_loss"] == report["first_loss"] == report["kept_terms"]["rec"]
 
 
 @pytest.mark.parametrize("n_rec", [1, 5, 40])
@@ -366,8 +366,20 @@ def test_a_reconstruction_ends_at_its_lowest_loss_at_any_number_of_steps(n_rec):
     assert len(seen) == n_rec + 1  # every step's candidates scored, the last step's too
     lowest, best = min(seen, key=lambda pair: pair[0])
     torch.testing.assert_close(x, best)
-    assert report["last_loss"] == lowest and report["final_loss"] == seen[-1][0]
-    assert (report["failed"] is not None) == (seen[-1][0] > seen[0][0] or lowest >= seen[0][0])
+    assert report["kept_loss"] == lowest and report["last_step_loss"] == seen[-1][0]
+
+
+@pytest.mark.parametrize("losses, failed", [
+    ([1.0, 0.5, 0.7], None),                                   # overshot, ended below the start: fine
+    ([1.0, 0.5, 2.0], "diverged: the last step's loss 2 is above the start's 1"),  # kept 0.5, still flagged
+    ([1.0, 1.0, 1.0], "no step lowered the loss"),
+    ([1.0, 0.5, math.inf], "diverged at step 2"),
+])
+def test_a_reconstruction_is_flagged_when_it_diverged_or_never_improved(losses, failed):
+    finite = [v for v in losses if math.isfinite(v)]
+    best = (min(finite), None, None, {"rec": torch.tensor(min(finite))})
+    report = recl.reconstruction_report(losses, best, {"rec": torch.tensor(losses[0])})
+    assert report["failed"] == failed and report["kept_loss"] == min(finite)
 
 
 def test_a_huge_step_size_ends_no_worse_than_the_start_and_is_flagged(tmp_path, capsys):
@@ -376,7 +388,7 @@ def test_a_huge_step_size_ends_no_worse_than_the_start_and_is_flagged(tmp_path, 
     recl.main(["--variant", "recl", "--lr-x", "1e6", "--n-rec", "5", "--epochs", "1", "--n-per-class", "10",
                "--out", str(tmp_path), "--quiet", "--rec-precision", "float32"])
     record = json.loads(next(tmp_path.glob("*.json")).read_text())
-    assert record["reconstructions"] and all(r["last_loss"] <= r["first_loss"] for r in record["reconstructions"])
+    assert record["reconstructions"] and all(r["kept_loss"] <= r["first_loss"] for r in record["reconstructions"])
     assert record["failed_reconstructions"] == len(record["reconstructions"]) == 4
     assert "4 of 4 reconstructions FLAGGED" in capsys.readouterr().out
     table = experiments.aggregate(tmp_path, lambda *a: None)
@@ -763,7 +775,8 @@ def test_the_search_keeps_the_defaults_unless_a_draw_scores_higher(monkeypatch):
     def fake_step1(model, old_tasks, cfg, log, earlier):  # the search, not the reconstruction
         tried.append(cfg.lr_x)
         labels = torch.tensor([0, 1])  # the unsup score: the lower this loss, the better
-        return torch.zeros(2, 1), labels, torch.ones(2), {"failed": None, "last_loss": abs(math.log(cfg.lr_x / 1e-3))}
+        return torch.zeros(2, 1), labels, torch.ones(2), {"failed": None, "first_loss": 1e9,
+                                                          "kept_loss": abs(math.log(cfg.lr_x / 1e-3))}
 
     monkeypatch.setattr(recl, "reconstruct_old_data", fake_step1)
     cfg, quiet = run_config(trials=6, tuning="unsup"), lambda *a: None
@@ -774,7 +787,7 @@ def test_the_search_keeps_the_defaults_unless_a_draw_scores_higher(monkeypatch):
     tried.clear()
     monkeypatch.setattr(recl, "reconstruct_old_data", lambda model, old, cfg, log, earlier: (
         tried.append(cfg.lr_x), torch.zeros(2, 1), torch.tensor([0, 1]), torch.ones(2),
-        {"failed": None, "last_loss": float(cfg.lr_x != 3.0)})[1:])
+        {"failed": None, "first_loss": 1e9, "kept_loss": float(cfg.lr_x != 3.0)})[1:])
     *_, kept = recl.search_reconstruction(None, [None], cfg, quiet)
     assert kept["hyperparameters"]["lr_x"] == cfg.lr_x and kept["score"] == 0.0
 
@@ -795,6 +808,25 @@ def test_tuned_reconstruction_records_its_choice(tuning):
     again = recl.run_continual(cfg, tasks, lambda *a: None)
     assert again["reconstructions"][0]["hyperparameters"] == report["hyperparameters"]
     assert again["acc_matrix"] == record["acc_matrix"]
+
+
+def test_the_inversion_control_can_be_tuned_too():
+    """Sec. 4.3's search draws only the settings its objective has (no lambdas for inversion)."""
+    cfg = run_config(rec_objective="inversion", tuning="unsup", trials=2, epochs=1, n_rec=2, m=2)
+    record = recl.run_continual(cfg, synthetic_tasks("cil", n_tasks=2), lambda *a: None)
+    (report,) = record["reconstructions"]
+    assert set(report["hyperparameters"]) == {"sigma_x", "lr_x", "alpha"}
+
+
+def test_each_runs_images_are_named_like_its_json(tmp_path):
+    path = tmp_path / "my.data.pt"  # a dot in the name must not cost the images their distinct names
+    torch.save({"x_train": torch.rand(40, 1, 8, 8), "y_train": torch.arange(40) % 4,
+                "x_test": torch.rand(8, 1, 8, 8), "y_test": torch.arange(8) % 4}, path)
+    recl.main(["--dataset", str(path), "--variant", "recl", "--save-images", "--seeds", "2", "--epochs", "1",
+               "--n-per-class", "5", "--n-rec", "2", "--out", str(tmp_path / "out"), "--quiet"])
+    runs = sorted(p.stem for p in (tmp_path / "out").glob("*.json"))
+    assert len(runs) == 2
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.png")) == sorted(f"{r}-task2.png" for r in runs)
 
 
 def test_recon_quality_and_image_grid_are_written(tmp_path):
@@ -1156,6 +1188,9 @@ def test_non_homogeneous_models_run_a_recl_task(name):
     (["--variant", "base", "--paper"], "--paper applies to the \\+ReCL variant only"),
     (["--trials", "3"], "--trials sets the Sec. 4.3 search; it needs --tuning"),
     (["--trials", "3", "--tuning", "naive"], "it needs --tuning unsup or sup"),
+    (["--variant", "base", "--no-filter"], "--filter applies to the \\+ReCL variant only"),
+    (["--method", "joint", "--no-freeze-old"], "--freeze-old applies to the \\+ReCL variant only"),
+    (["--data-root", "elsewhere"], "mnist is not read from a data folder"),
 ])
 def test_bad_cli_values_are_rejected_with_a_reason(argv, words, monkeypatch, tmp_path):
     monkeypatch.setattr(recl, "run_continual", lambda *a, **k: pytest.fail("it trained"))
@@ -1372,10 +1407,15 @@ def test_classes_left_out_by_the_split_are_named_and_recorded(tmp_path, capsys):
     assert f"leaves out class(es) {record['classes_left_out']}" in capsys.readouterr().out
 
 
-def test_flags_for_the_recl_runs_are_left_out_of_the_methods_alone():
-    assert config.without_recl_flags(["--epochs", "3", "--n-rec", "50", "--no-filter", "--paper",
-                                      "--rec-precision=bfloat16", "--lr", "0.1", "--m", "7"]) == \
+def test_run_all_gives_each_run_only_the_flags_it_uses():
+    assert config.without_flags(["--epochs", "3", "--n-rec", "50", "--no-filter", "--paper",
+                                 "--rec-precision=bfloat16", "--lr", "0.1", "--m", "7"], config.RECL_FLAGS) == \
         ["--epochs", "3", "--lr", "0.1"]
+    base, inversion = (f"python recl.py --variant {v} --n-rec 5 --rec-target weights --quiet --out /nonexistent"
+                       for v in ("base", "recl --rec-objective inversion"))
+    assert experiments.pending_runs([base, inversion]) == [
+        "python recl.py --variant base --quiet --out /nonexistent",
+        "python recl.py --variant recl --rec-objective inversion --n-rec 5 --quiet --out /nonexistent"]
 
 
 # =============================================================================
@@ -1419,12 +1459,17 @@ def test_aggregate_draws_a_well_formed_chart_with_one_bar_per_method_and_variant
                     record = fake_record(method, variant, seed, acc + seed, -10, scenario)
                     config.write_json_atomically(tmp_path / f"{scenario}-{method}-{acc}-{seed}.json", record)
     config.write_json_atomically(tmp_path / "d.json", {**fake_record("er", "base", 0, None, None), "diverged": "nan"})
-    experiments.aggregate(tmp_path, lambda *a: None)
+    for seed, lr in ((0, 0.5), (1, 0.01)):  # A-GEM at two learning rates, with two task counts: not one bar
+        config.write_json_atomically(tmp_path / f"agem-{seed}.json", {
+            **fake_record("agem", "base", seed, 50.0, -10, lr=lr), "acc_matrix": [[50.0]] * (seed + 1)})
+    said = []
+    experiments.aggregate(tmp_path, said.append)
+    assert "charts: mnist cil agem has runs of several configs; not drawn (see the table)" in said
     root = ET.parse(tmp_path / "chart-mnist.svg").getroot()  # raises if not well-formed XML
     ns = "{http://www.w3.org/2000/svg}"
     bars = [r for r in root.iter(ns + "rect") if r.get("class") == "bar"]
     assert sorted((b.get("data-scenario"), b.get("data-method")) for b in bars) == sorted(
-        (s, m + v) for s in ("cil", "dil") for m in ("finetune", "gpm") for v in ("", "+recl", "+inversion"))  # no ER
+        (s, m + v) for s in ("cil", "dil") for m in ("finetune", "gpm") for v in ("", "+recl", "+inversion"))  # no ER, A-GEM
     heights = {(b.get("data-scenario"), b.get("data-method")): float(b.get("height")) for b in bars}
     assert heights[("cil", "gpm+recl")] == pytest.approx(heights[("cil", "gpm")] * 70.5 / 50.5, rel=1e-2)
     assert heights[("cil", "gpm+inversion")] == pytest.approx(heights[("cil", "gpm")] * 60.5 / 50.5, rel=1e-2)
@@ -1481,7 +1526,11 @@ def test_tune_searches_the_grid_on_validation_data_only(tmp_path, monkeypatch):
                       "--n-per-class", "10", "--n-rec", "2", "--out", str(tmp_path), "--quiet"])
     assert seen[-1][0].variant == "recl" and list(tmp_path.glob("toy-cil-ewc+recl-validation-tuning-*-seed0.json"))
     for argv, words in ((["--lr", "0.1"], "tune chooses --lr itself"), (["--seeds", "3"], "--seeds does not apply"),
-                        (["--variant", "both"], "tune scores one variant")):
+                        (["--variant", "both"], "tune scores one variant"),
+                        (["--n-rec", "5"], "--n-rec applies to the \\+ReCL variant only"),  # the base search
+                        (["--variant", "recl", "--save-images"], "does not apply to tune"),
+                        (["--dataset", str(path), "--model", "cnn", "--n-per-class", "10"],
+                         "--model cnn: the cnn needs images")):
         with pytest.raises(config.UsageError, match=words):
             experiments.tune(argv + ["--out", str(tmp_path)])
 
@@ -1559,6 +1608,12 @@ def test_the_shipped_results_table_counts_as_done():
     assert runs == [] and "0 runs to do" in result.stdout
 
 
+def test_run_all_knows_every_method_and_dataset_the_code_knows():
+    text = (HERE / "run_all.sh").read_text()
+    words = lambda name: text.split(f'{name}="')[1].split('"')[0].split()
+    assert words("ALL_METHODS") == config.METHODS and words("ALL_DATASETS") == data.DATASETS
+
+
 def test_run_all_checks_its_knobs_in_one_line(tmp_path):
     for knobs, words in (({"SEEDS": "abc"}, "SEEDS must be a whole number"), ({"JOBS": "0"}, "JOBS must be"),
                          ({"METHODS": "bogus"}, "bogus is not one of"), ({"VARIANTS": "all"}, "all is not one of"),
@@ -1569,17 +1624,14 @@ def test_run_all_checks_its_knobs_in_one_line(tmp_path):
 
 
 def test_quick_presets_yield_to_explicit_knobs_flags_and_sweeps(tmp_path):
-    result, runs = run_all_dry(tmp_path, QUICK="1", SEEDS="3", METHODS="finetune", RESULTS=str(tmp_path))
+    last = lambda line, flag: config.make_parser().parse_args(line.split("recl.py")[1].split()).__dict__[flag]
+    result, runs = run_all_dry(tmp_path, "--epochs", "9", "--n-rec", "7", QUICK="1", SEEDS="3",
+                               METHODS="finetune", RESULTS=str(tmp_path))
     assert result.returncode == 0, result.stderr
     assert len(runs) == 9  # 3 seeds x 3 variants, not QUICK's one seed
-    _, runs = run_all_dry(tmp_path, QUICK="1", METHODS="finetune", RESULTS=str(tmp_path))
-    assert len(runs) == 3
-    last = lambda line, flag: config.make_parser().parse_args(line.split("recl.py")[1].split()).__dict__[flag]
-    _, runs = run_all_dry(tmp_path, "--epochs", "9", "--n-rec", "7", QUICK="1", METHODS="finetune",
-                          RESULTS=str(tmp_path))
-    assert [last(r, "epochs") for r in runs] == [9, 9, 9] and [last(r, "n_rec") for r in runs] == [None, 7, 7]
+    assert {last(r, "epochs") for r in runs} == {9} and sorted({last(r, "n_rec") for r in runs}, key=str) == [7, None]
     _, runs = run_all_dry(tmp_path, QUICK="1", SWEEP="epochs 1 2", METHODS="finetune", RESULTS=str(tmp_path))
-    assert sorted(last(r, "epochs") for r in runs) == [1, 1, 1, 2, 2, 2]  # once, QUICK's 5 won
+    assert sorted(last(r, "epochs") for r in runs) == [1, 1, 1, 2, 2, 2]  # one seed; once, QUICK's 5 won
 
 
 def test_run_all_runs_the_joint_bound_once_per_seed_and_variants_as_asked(tmp_path):
@@ -1589,8 +1641,6 @@ def test_run_all_runs_the_joint_bound_once_per_seed_and_variants_as_asked(tmp_pa
             (("finetune", " --variant base"), ("finetune", " --variant recl --rec-objective inversion"),
              ("joint", ""))] == [2, 2, 2]
     assert len(runs) == 8 and not any("joint --variant" in r for r in runs)
-    _, runs = run_all_dry(tmp_path, METHODS="finetune joint", SEEDS="1", RESULTS=str(tmp_path), VARIANTS="inversion")
-    assert len(runs) == 1 and "--rec-objective inversion" in runs[0]
 
 
 def test_run_all_sweeps_a_flag_into_one_folder_per_value(tmp_path):
@@ -1623,11 +1673,11 @@ def test_run_all_keeps_quick_runs_apart(tmp_path):
 
 
 def test_run_all_tune_runs_one_search_per_method(tmp_path):
-    result, runs = run_all_dry(tmp_path, TUNE="1", METHODS="ewc gpm", SEEDS="5", RESULTS=str(tmp_path))
+    result, runs = run_all_dry(tmp_path, TUNE="1", METHODS="ewc gpm", SEEDS="5", DATASETS="mnist cifar10",
+                               DATA_ROOT=str(tmp_path))  # the default folder
     assert result.returncode == 0, result.stderr
     assert len(runs) == 2 and all("experiments.py tune" in r and "--seed 0" in r for r in runs)
-    nothing, _ = run_all_dry(tmp_path, TUNE="1", DATASETS="cifar10", DATA_ROOT=str(tmp_path))  # default folder
-    assert nothing.returncode == 0 and "0 runs to do in results/tuning/" in nothing.stdout
+    assert "2 runs to do in results/tuning/" in result.stdout and "skipping cifar10" in result.stderr
 
 
 def test_queue_workers_claim_each_run_once_and_a_run_gives_what_it_gives_alone(tmp_path, monkeypatch):

@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 import data  # noqa: E402
+import judging  # noqa: E402
 import recl  # noqa: E402
 
 folder, scenario = Path(sys.argv[1]), sys.argv[2]
@@ -26,15 +27,15 @@ print(f"| objective | seeds | candidates nearest to task 1 / 2 / 3 / 4 (%) | SSI
 print("|---|---|---|---|")
 for name in ("finetune+recl", "finetune+inversion"):
     shares, scores = [], []
-    for path in sorted(folder.glob(f"mnist-{scenario}-{name}-seed*-task5.pt")):
+    for path in sorted(folder.glob(f"mnist-{scenario}-{name}-*-seed*-task5.pt")):
         seed = int(path.stem.split("-seed")[1].split("-")[0])
         tasks, _, mean_image, _ = data.make_tasks("mnist", seed, 100, scenario)
         real = torch.cat([t.x_train for t in tasks[:4]])
         task_of = torch.arange(4).repeat_interleave(torch.tensor([len(t.x_train) for t in tasks[:4]]))
         found = torch.load(path, weights_only=True)
-        nearest_real = recl.nearest_candidates(found, real)  # for each candidate, its nearest real image
+        nearest_real = judging.nearest_candidates(found, real)  # for each candidate, its nearest real image
         shares.append(torch.bincount(task_of[nearest_real], minlength=4).float() / len(found) * 100)
-        ssim, _ = recl.reconstruction_quality(real, found, mean_image)
+        ssim, _ = judging.reconstruction_quality(real, found, mean_image)
         scores.append(torch.stack([ssim[task_of == t].mean() for t in range(4)]))
     if shares:
         share, score = torch.stack(shares).mean(0), torch.stack(scores).mean(0)

@@ -17,19 +17,21 @@ from torchvision.utils import save_image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 import data  # noqa: E402
+import judging  # noqa: E402
 import recl  # noqa: E402
 
 folder, scenario, target = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 tasks, _, mean_image, _ = data.make_tasks("mnist", 0, 100, scenario)
 real = torch.cat([t.x_train for t in tasks[:4]])
 pick = torch.linspace(0, len(real) - 1, 16).long()  # two images from each block of 100: each old class
-rows = [recl.as_picture(real[pick], mean_image)]
+rows = [judging.as_picture(real[pick], mean_image)]
 for name in ("finetune+recl", "finetune+inversion"):
-    found = torch.load(folder / f"mnist-{scenario}-{name}-seed0-task5.pt", weights_only=True)
-    nearest = recl.nearest_candidates(real, found)
-    shown = recl.on_reference_scale(found, real)[nearest[pick]]
-    ssim = recl.reconstruction_quality(real, found, mean_image)[0].mean().item()
+    (path,) = folder.glob(f"mnist-{scenario}-{name}-*-seed0-task5.pt")  # NAME-DIGEST-seed0-task5.pt
+    found = torch.load(path, weights_only=True)
+    nearest = judging.nearest_candidates(real, found)
+    shown = judging.on_reference_scale(found, real)[nearest[pick]]
+    ssim = judging.reconstruction_quality(real, found, mean_image)[0].mean().item()
     print(f"{name}: {len(found)} reconstructions, mean nearest-pair SSIM {ssim:.3f}")
-    rows.append(recl.as_picture(shown, mean_image))
+    rows.append(judging.as_picture(shown, mean_image))
 save_image(torch.cat(rows), target, nrow=16, padding=1, pad_value=1.0)
 print(f"rows: real, stationarity (ReCL), inversion -> {target}")

@@ -19,7 +19,7 @@ rung() {  # rung NAME SCENARIO VARIANTS FLAGS...: the objectives asked for, then
     bash run_all.sh "$@" --n-rec 1
 }
 for scenario in cil dil; do
-  budget=(--lr 0.1 --epochs 20)  # the +ReCL variant's own training (recl.TUNED_RECL)
+  budget=(--lr 0.1 --epochs 20)  # the +ReCL variant's own training (config.PRESETS, second column)
   [ "$scenario" = dil ] && budget=(--lr 0.05 --epochs 20)
   rung 0-paper "$scenario" "recl inversion" --paper
   rung 1-displacement "$scenario" recl --paper --rec-target displacement

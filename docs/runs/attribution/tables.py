@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 import experiments
-import cli  # noqa: E402
+import config  # noqa: E402
 import recl  # noqa: E402
 
 LADDER = ROOT / "docs/runs/attribution/ladder"
@@ -66,7 +66,7 @@ def methods(scenario):
     print(f"\n**{scenario.upper()}**, seeds 0-4, test set: ACC (BWT)\n")
     print("| method | alone | +ReCL | +inversion | +ReCL - +inversion |")
     print("|---|---|---|---|---|")
-    for method in cli.METHODS:
+    for method in config.METHODS:
         if method == "joint":
             continue
         rows = [load(TABLE, scenario, method + suffix) for suffix in ("", "+recl", "+inversion")]

@@ -32,7 +32,7 @@ for layout in (torch.contiguous_format, torch.channels_last):
     for precision in ("float32", "bfloat16"):
         def step():
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bfloat16"):
-                losses = recl.reconstruction_losses(net, params, target, scale, x, labels, lam, 0.05)
+                losses = benchmark.eq6_losses(net, params, target, scale, x, labels, lam, 0.05)
             sum(losses.values()).backward()
             g = x.grad.clone()
             x.grad = lam.grad = None

@@ -9,8 +9,8 @@ import recl
 import experiments as benchmark  # benchmark.py until the reorganisation
 torch.set_num_threads(2)
 net, params, target, scale, x, labels, lam = benchmark.reconstruction_problem("cnn", (3, 32, 32), 200, torch.device("cpu"))
-compiled = torch.compile(recl.reconstruction_losses)
-for name, fn in (("eager", recl.reconstruction_losses), ("compiled", compiled)):
+compiled = torch.compile(benchmark.eq6_losses)
+for name, fn in (("eager", benchmark.eq6_losses), ("compiled", compiled)):
     def step():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             l = fn(net, params, target, scale, x, labels, lam, 0.05)

@@ -64,7 +64,7 @@ for m in (200, 800):
         lam = torch.rand(len(labels)).requires_grad_()
 
         def step():
-            loss = sum(recl.reconstruction_losses(net, params, target, scale, x, labels, lam, 0.05).values())
+            loss = sum(benchmark.eq6_losses(net, params, target, scale, x, labels, lam, 0.05).values())
             loss.backward()
             grad_norm = x.grad.norm().item()
             x.grad = lam.grad = None

@@ -7,7 +7,7 @@ import experiments as benchmark  # benchmark.py until the reorganisation
 from torch.profiler import profile, ProfilerActivity
 net, params, target, scale, x, labels, lam = benchmark.reconstruction_problem("cnn", (3, 32, 32), 200, torch.device("cpu"))
 def step():
-    l = recl.reconstruction_losses(net, params, target, scale, x, labels, lam, 0.05)
+    l = benchmark.eq6_losses(net, params, target, scale, x, labels, lam, 0.05)
     sum(l.values()).backward(); x.grad = lam.grad = None
 step()
 with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_flops=True) as prof:

@@ -48,7 +48,7 @@ def make_step(name, shape, form, prec):
 
     def step():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=prec == "bfloat16"):
-            l = recl.reconstruction_losses(net, params, target, scale, x, labels, lam, 0.05)
+            l = benchmark.eq6_losses(net, params, target, scale, x, labels, lam, 0.05)
         sum(l.values()).backward(); g = x.grad.clone(); x.grad = lam.grad = None; return g
     return step
 

@@ -32,10 +32,9 @@ for scenario in ("cil", "dil"):
     print("|---|---|---|---|---|---|---|---|")
     for m in (25, 50, 100):
         for i, strategy in enumerate(("naive", "unsup", "sup")):
-            suffix = "" if strategy == "naive" else f"-{strategy}"
             runs = [json.loads(p.read_text()) for p in
-                    sorted((HERE / f"m-{m}").glob(f"mnist-{scenario}-finetune+recl{suffix}-seed*.json"))]
-            runs = [r for r in runs if not r.get("diverged")]
+                    sorted((HERE / f"m-{m}").glob(f"mnist-{scenario}-finetune+recl-*seed*.json"))]
+            runs = [r for r in runs if not r.get("diverged") and (r["config"]["tuning"] or "naive") == strategy]
             ssim = [statistics.mean(q["mean_ssim"] for q in r["recon_quality"]) for r in runs if r["recon_quality"]]
             print(f"| {m} | {strategy} | {len(runs)} | {cell([r['ACC'] for r in runs])} | "
                   f"{cell([r['BWT'] for r in runs])} | {cell(ssim, 3)} | "
