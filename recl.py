@@ -202,21 +202,18 @@ def reconstruction_report(losses, best, first_terms):
 #    only the classes of the task just learned start from noise. Reading a class
 #    again from a model trained on its reconstructions lets errors compound.
 # 3. `--filter`: candidates the model assigns to another class are dropped.
-# 4. `--replay-noise`: reconstructions enter each batch with fresh noise
-#    (part 3), so the network files a neighbourhood, not a prototype, under
-#    the old class.
+# 4. `--replay-noise`: reconstructions enter each batch with fresh noise (part
+#    3), so the network files a neighbourhood, not a prototype, under the old class.
 # 5. `--ce-weight` (CIL): a little model inversion added to Eq. 6.
 #
 # The control, `--rec-objective inversion` (the +inversion variant): is it
 # Eq. 3 that makes the candidates useful, or would any optimisation that makes
 # the model recognise them as their labels do? Model inversion (Simonyan et
 # al. 2014; DeepInversion, Yin et al. 2020, without its batch-norm term) asks
-# only the second:  L_inv = sum_i CE(f(x_i), y_i) + L_prior, over the same
+# only the second: L_inv = sum_i CE(f(x_i), y_i) + L_prior, over the same
 # candidates, labels, optimiser, steps, filter and replay; no lambdas, no
 # stationarity condition, one backward pass per step instead of a double one.
-#
-# And a matter of speed, `--rec-precision bfloat16`: the products of the loss
-# run in bfloat16 (config.reconstruction_precision says where).
+# And for speed, `--rec-precision bfloat16` runs the loss's products in bfloat16.
 
 def reconstruction_target(params, start, target):
     """Departure 1: what the gradient combination should equal, and the scale of L_rec:
