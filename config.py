@@ -16,10 +16,11 @@ setting never share a file or a table row (`result_path`).
 
 Adding a method: write its hooks in strategies.py and give it one entry in
 strategies.STRATEGIES (hooks, and each hyperparameter's default and valid
-range); add its name to ALL_METHODS in run_all.sh for the full table. It then
-runs at DEFAULT_TRAINING and its literature defaults; a row in PRESETS, once
-chosen on validation data (`python experiments.py tune`), makes those its
-defaults.
+range; defaults are numbers); add its name to ALL_METHODS in run_all.sh, before
+joint, for the full table, and its own hyperparameters' grid to
+strategies.SEARCH_GRID for `tune` to search them. It then runs at
+DEFAULT_TRAINING and its literature defaults; a row in PRESETS, once chosen on
+validation data (`python experiments.py tune`), makes those its defaults.
 
 Also here: the command line's flags, the one-line errors, the atomic writers
 and what a result records about the machine that made it.
@@ -380,6 +381,8 @@ def check(args, probe_out=True):
             raise UsageError(f"--{flag} must be a finite number >= 0, got {value}")
     if args.seed < 0:
         raise UsageError(f"--seed must be >= 0, got {args.seed}")
+    if args.scenario == "dil" and args.classes_per_task == 1:
+        raise UsageError("--classes-per-task 1 in DIL gives every task the one label 0: nothing to learn")
     args.hp = strategies.check_hyperparameters(args.method, args.hp, UsageError)
     # flags that would do nothing for the runs asked for
     if args.method == "joint" and args.variant not in (None, "base"):

@@ -87,7 +87,7 @@ def pending_runs(lines, say=lambda message: print(message, file=sys.stderr)):
             words = shlex.split(line)
             line, argv = shlex.join(words[:len(words) - len(argv)] + kept), kept
         try:
-            args = config.make_parser().parse_args(argv)
+            args = (tune_parser() if kind == "tune" else config.make_parser()).parse_args(argv)
             config.check(args, probe_out=False)
         except UsageError:  # let the run itself say what is wrong
             todo.append(line)
@@ -426,19 +426,24 @@ def tuned_config(args):
 
 
 def tuning_path(args):
+    """Named by the config searched around and by the number of draws."""
     cfg = tuned_config(args)
-    return Path(args.out) / f"{config.run_name(cfg)}-tuning-{config.digest(cfg)}-seed{cfg.seed}.json"
+    return Path(args.out) / f"{config.run_name(cfg)}-tuning-{config.digest(cfg)}-{args.draws}draws-seed{cfg.seed}.json"
 
 
-def tune(argv, log=None):
-    """tune: run the validation search, save every trial, print the winner."""
+def tune_parser():
     parser = config.make_parser("experiments.py tune", "Choose a method's lr, epochs and own hyperparameters on "
                                 "a validation split of seed --seed (paper App. D.3): --draws settings from "
                                 "strategies.TRAINING_GRID and SEARCH_GRID, each scored by the validation ACC of "
                                 "the method alone, or with --variant recl of its +ReCL variant. Takes recl.py's "
                                 "flags for everything else.")
     parser.add_argument("--draws", type=int, default=10, help="settings drawn from the grid (default: 10)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def tune(argv, log=None):
+    """tune: run the validation search, save every trial, print the winner."""
+    args = tune_parser().parse_args(argv)
     if args.variant == "both":
         raise UsageError("tune scores one variant: --variant base (the default) or recl")
     if args.save_images:
@@ -450,6 +455,11 @@ def tune(argv, log=None):
     for flag, value in (("lr", args.lr), ("epochs", args.epochs)):
         if value is not None:
             raise UsageError(f"tune chooses --{flag} itself; leave it out")
+    for key in strategies.SEARCH_GRID.get(args.method, {}):
+        if key in args.hp:
+            raise UsageError(f"tune chooses --hp {key} itself; leave it out")
+    if args.validation:
+        raise UsageError("tune always scores on the validation split; --validation does not apply")
     if args.seeds is not None:
         raise UsageError("tune searches on one seed (--seed); --seeds does not apply")
     log = log or ((lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True)))
@@ -620,6 +630,9 @@ def benchmark(argv):
         raise UsageError("--device cuda was asked for but no CUDA device is available")
     if args.repeats < 1:
         raise UsageError(f"--repeats must be at least 1, got {args.repeats}")
+    if args.out and Path(args.out).is_dir():
+        raise UsageError(f"--out {args.out} is a folder; it names the JSON file to write")
+    config.check_writable(Path(args.out).parent if args.out else Path("results"))
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(args.device)

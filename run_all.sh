@@ -52,6 +52,16 @@ within() {  # within KNOB "VALUES" "ALLOWED": every value is one of the allowed 
 within METHODS "$METHODS" "$ALL_METHODS"
 within VARIANTS "$VARIANTS" "base recl inversion"
 within SCENARIOS "$SCENARIOS" "cil dil"
+for knob in QUICK TUNE DRY_RUN; do
+  [[ "${!knob:-0}" =~ ^[01]$ ]] || refuse "$knob must be 0 or 1, got \"${!knob}\""
+done
+[ "$TUNE" = 1 ] && [ -n "${SWEEP:-}" ] && refuse "TUNE=1 runs one search per method; it takes no SWEEP"
+for word in ${EXTRA[@]+"${EXTRA[@]}"}; do  # what run_all sets per run is a knob, not a flag
+  case "${word%%=*}" in
+    --out|--method|--variant|--scenario|--dataset|--seed|--seeds|--rec-objective|--data-root)
+      refuse "${word%%=*} is run_all's to set per run: use RESULTS, METHODS, VARIANTS, SCENARIOS, DATASETS, SEEDS or DATA_ROOT";;
+  esac
+done
 for dataset in $DATASETS; do
   [[ "$dataset" == *.pt ]] || within DATASETS "$dataset" "$ALL_DATASETS"
 done

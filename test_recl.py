@@ -1191,6 +1191,7 @@ def test_non_homogeneous_models_run_a_recl_task(name):
     (["--variant", "base", "--no-filter"], "--filter applies to the \\+ReCL variant only"),
     (["--method", "joint", "--no-freeze-old"], "--freeze-old applies to the \\+ReCL variant only"),
     (["--data-root", "elsewhere"], "mnist is not read from a data folder"),
+    (["--scenario", "dil", "--classes-per-task", "1"], "nothing to learn"),
 ])
 def test_bad_cli_values_are_rejected_with_a_reason(argv, words, monkeypatch, tmp_path):
     monkeypatch.setattr(recl, "run_continual", lambda *a, **k: pytest.fail("it trained"))
@@ -1529,6 +1530,8 @@ def test_tune_searches_the_grid_on_validation_data_only(tmp_path, monkeypatch):
                         (["--variant", "both"], "tune scores one variant"),
                         (["--n-rec", "5"], "--n-rec applies to the \\+ReCL variant only"),  # the base search
                         (["--variant", "recl", "--save-images"], "does not apply to tune"),
+                        (["--method", "ewc", "--hp", "ewc_lambda=7"], "tune chooses --hp ewc_lambda itself"),
+                        (["--validation"], "--validation does not apply"),
                         (["--dataset", str(path), "--model", "cnn", "--n-per-class", "10"],
                          "--model cnn: the cnn needs images")):
         with pytest.raises(config.UsageError, match=words):
@@ -1566,10 +1569,13 @@ def test_every_experiments_subcommand_explains_itself(capsys):
         experiments.main(["aggregat"])
 
 
-def test_benchmark_on_a_missing_gpu_says_so_in_one_line(monkeypatch):
+def test_benchmark_refuses_a_missing_gpu_and_an_unusable_out_before_it_starts(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(experiments, "matmul_peak", lambda *a: pytest.fail("it started"))
     with pytest.raises(config.UsageError, match="no CUDA device"):
         experiments.benchmark(["--device", "cuda"])
+    with pytest.raises(config.UsageError, match="is a folder"):
+        experiments.benchmark(["--out", str(tmp_path)])
 
 
 def run_all_dry(tmp_path, *args, **knobs):
@@ -1618,7 +1624,9 @@ def test_run_all_checks_its_knobs_in_one_line(tmp_path):
     for knobs, words in (({"SEEDS": "abc"}, "SEEDS must be a whole number"), ({"JOBS": "0"}, "JOBS must be"),
                          ({"METHODS": "bogus"}, "bogus is not one of"), ({"VARIANTS": "all"}, "all is not one of"),
                          ({"DATASETS": "imagenet"}, "imagenet is not one of"),
-                         ({"SCENARIOS": "til"}, "til is not one of"), ({"SWEEP": "m"}, "SWEEP needs a flag")):
+                         ({"SCENARIOS": "til"}, "til is not one of"), ({"SWEEP": "m"}, "SWEEP needs a flag"),
+                         ({"QUICK": "true"}, "QUICK must be 0 or 1"), ({"DRY_RUN": "yes"}, "DRY_RUN must be 0 or 1"),
+                         ({"TUNE": "1", "SWEEP": "m 10"}, "it takes no SWEEP")):
         result, _ = run_all_dry(tmp_path, **knobs)
         assert result.returncode == 2 and result.stderr.count("\n") == 1 and words in result.stderr, knobs
 
