@@ -468,7 +468,8 @@ def tune(argv, log=None):
     path = tuning_path(args)
     name = variant_name(cfg.method, cfg.variant)
     write_json_atomically(path, {"method": name, "scenario": cfg.scenario, "dataset": config.dataset_name(cfg.dataset),
-                                 "seed": cfg.seed, "trials": trials, "config": dataclasses.asdict(cfg),
+                                 "seed": cfg.seed, "draws": args.draws, "trials": trials,
+                                 "config": dataclasses.asdict(cfg),
                                  "provenance": config.provenance()})
     best = trials[0]
     if best["val_ACC"] is None:

@@ -256,9 +256,9 @@ def inversion_losses(model, params, x, y):
     return {"ce": F.cross_entropy(logits, y, reduction="sum"), "prior": image_prior(x)}
 
 
-def objective_of(model, cfg, fixed=None, m=None):
-    """L_full with the run's departures, or the control's L_inv, as `reconstruct` takes it.
-    `fixed` = (x, labels, lambdas) of the candidates departure 2 keeps, m the count of all."""
+def objective_of(model, fixed=None, m=None):
+    """L_full with the departures its `cfg` has on, or the control's L_inv, as `reconstruct`
+    takes it. `fixed` = (x, labels, lambdas) of the candidates departure 2 keeps, m the count of all."""
     def objective(net, params, labels, cfg):
         if cfg.variant == "inversion":
             loss = lambda x, lam: inversion_losses(net, params, x, labels)
@@ -291,7 +291,7 @@ def reconstruct_old_data(model, old_tasks, cfg, log=print, earlier=None):
     fixed = torch.zeros(len(x), dtype=torch.bool, device=device)
     if earlier is not None:
         x, lam, fixed = keep_earlier(x, lam, labels, *earlier)
-    objective = objective_of(model, cfg, (x[fixed], labels[fixed], lam[fixed]) if fixed.any() else None, len(x))
+    objective = objective_of(model, (x[fixed], labels[fixed], lam[fixed]) if fixed.any() else None, len(x))
     x[~fixed], lam[~fixed], report = reconstruct(model, labels[~fixed], input_shape, cfg, log, objective,
                                                  (x[~fixed], lam[~fixed]))
     return x, labels, lam, {"candidates": len(x), "optimised": int((~fixed).sum()), **report}

@@ -48,7 +48,7 @@ def objective_terms(model, cfg, labels, x, lam, fixed=None, m=None):
     """The loss terms Step 1 minimises for this run's config, at candidates x and lambdas lam."""
     net = models.with_smooth_relu(model, cfg.alpha).eval()
     params = {k: v.detach() for k, v in net.named_parameters()}
-    return recl.objective_of(model, cfg, fixed, m)(net, params, labels, cfg)(x, lam)
+    return recl.objective_of(model, fixed, m)(net, params, labels, cfg)(x, lam)
 
 
 def synthetic_tasks(scenario, n_tasks=3, per_class=6, shape=(1, 4, 4), seed=0):
@@ -66,7 +66,7 @@ def synthetic_tasks(scenario, n_tasks=3, per_class=6, shape=(1, 4, 4), seed=0):
 def step1(model, labels, input_shape, cfg, log=lambda *a: None):
     """recl.reconstruct with the run's departures (or the control) as its objective:
     the candidates, their lambdas and the report."""
-    return recl.reconstruct(model, labels, input_shape, cfg, log, recl.objective_of(model, cfg))
+    return recl.reconstruct(model, labels, input_shape, cfg, log, recl.objective_of(model))
 
 
 def nearest_cosine(candidates, reference):
