@@ -90,13 +90,29 @@ RECONSTRUCTION = {
     "filter": True,                        # departure 3
     "replay_noise": 2.5,                   # departure 4, in pixel stds of the task
     "ce_weight": {"cil": 3e-4, "dil": 0.0},  # departure 5; it cost ACC in DIL
+    "rec_optimizer": "sgd",                # departure 6: "adam" for the conv nets (NETWORKS)
+    "tv_weight": 0.0, "bn_weight": 0.0,    # departure 7: image priors of inversion on conv nets
     "rec_precision": "auto", "tuning": "naive", "trials": None,
 }
 # The candidates' step size depends on what their loss is: the displacement
 # target's relative L_rec, Eq. 3 on the weights, or inversion's summed cross-entropy.
-LR_X = {"displacement": 3.0, "weights": 1.0, "inversion": {"cil": 0.003, "dil": 0.3}}
+# Adam (departure 6) moves each pixel by about lr_x a step, whatever the loss's scale:
+# one value serves every objective.
+LR_X = {"displacement": 3.0, "weights": 1.0, "inversion": {"cil": 0.003, "dil": 0.3}, "adam": 0.01}
+
+# Per network, what its runs change from the MLP's settings above: (the method alone,
+# +ReCL), each a dict of Config fields, a value per scenario where it is a dict. The paper
+# tunes per architecture too; these were chosen on Fashion-MNIST's validation split
+# (docs/networks.md).
+NETWORKS = {
+    "mlp": ({}, {}),
+    "cnn": ({}, {}),
+    "alexnet": ({}, {}),
+    "resnet18": ({}, {}),
+}
 # `--paper`: the paper as written. Every departure off, and the method's own training budget.
-PAPER = {"rec_target": "weights", "freeze_old": False, "filter": False, "replay_noise": 0.0, "ce_weight": 0.0}
+PAPER = {"rec_target": "weights", "freeze_old": False, "filter": False, "replay_noise": 0.0, "ce_weight": 0.0,
+         "rec_optimizer": "sgd", "tv_weight": 0.0, "bn_weight": 0.0, "ce_scope": "all"}
 # The inversion control has no lambdas, no stationarity target and no added cross-entropy.
 NOT_FOR_INVERSION = ("lr_lambda", "lambda_min", "rec_target", "ce_weight")
 
@@ -121,6 +137,7 @@ class Config:
     lr: float = 0.05
     epochs: int = 20
     batch_size: int = 64
+    ce_scope: str = "all"                  # departure 8: "new", the task's own images score only its new classes
     hp: dict = dataclasses.field(default_factory=dict)  # the method's own hyperparameters
     # reconstruction (Step 1) and replay (Step 2)
     m: int | None = None
@@ -135,6 +152,9 @@ class Config:
     filter: bool | None = None
     replay_noise: float | None = None
     ce_weight: float | None = None
+    rec_optimizer: str | None = None       # departure 6
+    tv_weight: float | None = None         # departure 7, with bn_weight
+    bn_weight: float | None = None
     rec_precision: str | None = None
     tuning: str | None = None
     trials: int | None = None
@@ -146,11 +166,15 @@ class Config:
 # Where the data lives and which machine runs it do not define a run (the
 # record's provenance names the machine); the seed is in the file name.
 NOT_IN_DIGEST = ("seed", "device", "data_root")
+# Settings added after runs were shipped, at the value those runs used: left out of the
+# digest while they have it, so that the earlier results keep their names.
+ADDED_LATER = {"ce_scope": "all", "rec_optimizer": "sgd", "tv_weight": 0.0, "bn_weight": 0.0}
 
 
 def digest(cfg):
     """Eight hex digits that change with any setting of the run except its seed."""
-    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_IN_DIGEST}
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items()
+                if k not in NOT_IN_DIGEST and not (k in ADDED_LATER and v in (None, ADDED_LATER[k]))}
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
 
 
@@ -183,27 +207,37 @@ def preset(scenario, method, variant):
 
 
 def resolve(args, seed, variant):
-    """The Config of one run: the presets, then the flags given in `args` (None: not given)."""
+    """The Config of one run: the presets, then the flags given in `args` (None: not given).
+
+    Lowest first: the method's row of PRESETS, the network's row of NETWORKS (each the
+    method alone, then what +ReCL changes), RECONSTRUCTION, PAPER with --paper (which
+    also drops both +ReCL columns), and the flags given."""
     given = {k: v for k, v in vars(args).items() if v is not None}
     device = given["device"] if given.get("device", "auto") != "auto" else (
         "cuda" if torch.cuda.is_available() else "cpu")
     paper = bool(args.paper)
-    base = preset(args.scenario, args.method, "base" if paper else variant)
+    in_scenario = lambda table: {k: (v[args.scenario] if isinstance(v, dict) else v) for k, v in table.items()}
+    alone, recl_changes = NETWORKS[args.model]
+    chosen = {**preset(args.scenario, args.method, "base" if paper else variant), **in_scenario(alone),
+              **({} if paper or variant == "base" else in_scenario(recl_changes))}
     fields = {"dataset": args.dataset, "scenario": args.scenario, "method": args.method, "variant": variant,
               "model": args.model, "seed": seed, "n_per_class": args.n_per_class, "validation": args.validation,
               "classes_per_task": given.get("classes_per_task", 20 if args.dataset == "tinyimagenet" else 2),
               "data_root": args.data_root or "data", "batch_size": args.batch_size, "device": device,
-              "lr": given.get("lr", base["lr"]), "epochs": given.get("epochs", base["epochs"]),
-              "hp": {**{k: base[k] for k in strategies.defaults(args.method)}, **dict(args.hp)}}
+              "lr": given.get("lr", chosen["lr"]), "epochs": given.get("epochs", chosen["epochs"]),
+              "ce_scope": given.get("ce_scope", "all" if paper else chosen.get("ce_scope", "all")),
+              "hp": {**{k: chosen[k] for k in strategies.defaults(args.method)}, **dict(args.hp)}}
     if variant != "base":
-        rec = {k: (v[args.scenario] if isinstance(v, dict) else v) for k, v in RECONSTRUCTION.items()}
-        rec["replay_noise"] = base.get("replay_noise", rec["replay_noise"])
-        rec.update(PAPER if paper else {}, m=args.n_per_class or 100, paper=paper)
+        rec = {**in_scenario(RECONSTRUCTION), "m": args.n_per_class or 100}
+        rec.update({k: chosen[k] for k in rec if k in chosen})
+        rec.update({k: v for k, v in PAPER.items() if k in rec} if paper else {}, paper=paper)
         rec.update({k: given[k] for k in rec if k in given})
         if variant == "inversion":
             rec.update({k: None for k in NOT_FOR_INVERSION})
-        rec["lr_x"] = given.get("lr_x", LR_X["inversion"][args.scenario] if variant == "inversion"
-                                else LR_X[rec["rec_target"]])
+        default_lr_x = (LR_X["adam"] if rec["rec_optimizer"] == "adam" else LR_X["inversion"][args.scenario]
+                        if variant == "inversion" else LR_X[rec["rec_target"]])
+        # a network's own lr_x was chosen for its optimiser: another optimiser given takes the default
+        rec["lr_x"] = given.get("lr_x", default_lr_x if "rec_optimizer" in given else chosen.get("lr_x", default_lr_x))
         rec["rec_precision"] = reconstruction_precision(rec["rec_precision"], torch.device(device))
         if rec["tuning"] != "naive" and rec["trials"] is None:
             rec["trials"] = 10
@@ -224,11 +258,13 @@ def describe(cfg):
     split = " (validation split)" if cfg.validation else ""
     text = (f"{variant_name(cfg.method, cfg.variant)} | {cfg.scenario} | {cfg.dataset}{split} | {cfg.model} | "
             f"seed {cfg.seed} | {cfg.device} | {cfg.n_per_class or 'all'} per class, {cfg.classes_per_task} "
-            f"per task | lr {cfg.lr:g}, {cfg.epochs} epochs, batch {cfg.batch_size}")
+            f"per task | lr {cfg.lr:g}, {cfg.epochs} epochs, batch {cfg.batch_size}"
+            + (", CE over the new classes" if cfg.ce_scope == "new" else ""))
     text += "".join(f", {k} {v:g}" for k, v in cfg.hp.items())
     if cfg.variant != "base":
         shown = ["m", "n_rec", "sigma_x", "lr_x", "lr_lambda", "lambda_min", "alpha", "rec_target", "ce_weight",
-                 "replay_noise", "freeze_old", "filter", "rec_precision", "tuning", "trials"]
+                 "rec_optimizer", "tv_weight", "bn_weight", "replay_noise", "freeze_old", "filter", "rec_precision",
+                 "tuning", "trials"]
         values = [f"{k} {getattr(cfg, k):g}" if isinstance(getattr(cfg, k), float) else f"{k} {getattr(cfg, k)}"
                   for k in shown if getattr(cfg, k) is not None]
         text += f" | {'the paper as written, ' if cfg.paper else ''}" + ", ".join(values)
@@ -266,7 +302,7 @@ def method_hyperparameter(text):
 
 # Flags that only the +ReCL variants use, by their config names.
 RECL_FLAGS = ["m", "n_rec", "sigma_x", "lr_x", "lr_lambda", "lambda_min", "alpha", "rec_target", "freeze_old",
-              "filter", "replay_noise", "ce_weight", "rec_precision", "tuning", "trials", "paper", "rec_objective",
+              "filter", "replay_noise", "ce_weight", "rec_optimizer", "tv_weight", "bn_weight", "rec_precision", "tuning", "trials", "paper", "rec_objective",
               "save_images"]
 
 
@@ -317,6 +353,9 @@ def make_parser(prog="recl.py", description=DESCRIPTION):
                    help="training images per class, or 'all' (default: 100)")
     g.add_argument("--validation", action="store_true",
                    help="score on 20%% of each task's training images, held out, not on the test set")
+    g.add_argument("--ce-scope", choices=["all", "new"],
+                   help="CIL: the cross-entropy of the task's own images over all classes, or over its new classes "
+                        "only, so that they never push down old classes (default: all; NETWORKS may choose)")
     p.add_argument("--hp", type=method_hyperparameter, action="append", default=[], metavar="KEY=VALUE",
                    help="a method hyperparameter, e.g. --hp ewc_lambda=1000 (default: PRESETS)")
     g = p.add_argument_group("reconstruction (the +ReCL variant only; defaults: config.RECONSTRUCTION)")
@@ -341,6 +380,12 @@ def make_parser(prog="recl.py", description=DESCRIPTION):
                    "pixel stds of the task (default: 2.5, 0 for GPM)")
     g.add_argument("--ce-weight", type=float, help="weight of inversion's cross-entropy added to Eq. 6 "
                    "(default: 0.0003 in CIL, 0 in DIL)")
+    g.add_argument("--rec-optimizer", choices=["sgd", "adam"],
+                   help="the candidates' optimiser: SGD with momentum, as the paper, or Adam, as image inversion on "
+                        "conv nets (default: sgd; NETWORKS may choose)")
+    g.add_argument("--tv-weight", type=float, help="weight of a total-variation prior on the candidates (default: 0)")
+    g.add_argument("--bn-weight", type=float, help="weight of the batch-norm prior: the candidates' batch statistics "
+                   "against each layer's running ones, for networks with batch norm (default: 0)")
     g.add_argument("--paper", action="store_true", default=None,
                    help="the paper as written: Eq. 3 on the weights, every class afresh, no filter, no replay "
                         "noise, no cross-entropy term, the method's own training budget; explicit flags win")
@@ -376,7 +421,8 @@ def check(args, probe_out=True):
     for flag, value in positive.items():
         if value is not None and not (math.isfinite(value) and value > 0):
             raise UsageError(f"--{flag} must be a positive finite number, got {value}")
-    for flag, value in (("replay-noise", args.replay_noise), ("ce-weight", args.ce_weight)):
+    for flag, value in (("replay-noise", args.replay_noise), ("ce-weight", args.ce_weight),
+                        ("tv-weight", args.tv_weight), ("bn-weight", args.bn_weight)):
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise UsageError(f"--{flag} must be a finite number >= 0, got {value}")
     if args.seed < 0:
@@ -398,6 +444,11 @@ def check(args, probe_out=True):
             if given(args, name):
                 raise UsageError(f"--{name.replace('_', '-')} is part of Eq. 3-6; the inversion control "
                                  "(--rec-objective inversion) does not use it")
+    if args.bn_weight and args.model not in models.WITH_BATCH_NORM:
+        raise UsageError(f"--bn-weight: the {args.model} has no batch norm, so there are no running statistics to match")
+    if args.ce_scope is not None and (args.scenario == "dil" or args.method == "joint"):
+        raise UsageError("--ce-scope applies to class-incremental training after the first task; "
+                         + ("DIL tasks share their classes" if args.scenario == "dil" else "joint trains all at once"))
     if args.trials is not None and args.tuning in (None, "naive"):
         raise UsageError("--trials sets the Sec. 4.3 search; it needs --tuning unsup or sup")
     if args.dataset not in data.DATASETS and not args.dataset.endswith(".pt"):

@@ -148,7 +148,8 @@ def reconstruct(model, labels, input_shape, cfg, log=print, objective=paper_obje
     x, lam = start if start is not None else initial_candidates(len(labels), input_shape, cfg.sigma_x, cfg.seed)
     x, lam = x.to(device).requires_grad_(), lam.to(device).requires_grad_()
     L_full = objective(net, params, labels.to(device), cfg)
-    opt_x = torch.optim.SGD([x], lr=cfg.lr_x, momentum=0.9)
+    opt_x = (torch.optim.SGD([x], lr=cfg.lr_x, momentum=0.9) if cfg.rec_optimizer in (None, "sgd")
+             else torch.optim.Adam([x], lr=cfg.lr_x, betas=(0.5, 0.9)))  # departure 6
     opt_lam = torch.optim.SGD([lam], lr=cfg.lr_lambda or 0.0, momentum=0.9)  # the inversion control has none
     losses, best = [], None
     for step in range(cfg.n_rec + 1):  # the extra pass only scores the last step's candidates
@@ -205,6 +206,16 @@ def reconstruction_report(losses, best, first_terms):
 # 4. `--replay-noise`: reconstructions enter each batch with fresh noise (part
 #    3), so the network files a neighbourhood, not a prototype, under the old class.
 # 5. `--ce-weight` (CIL): a little model inversion added to Eq. 6.
+# 6. `--rec-optimizer adam`: Adam for the candidates, the optimiser of image
+#    inversion on conv nets (DeepInversion): each pixel moves about lr_x per
+#    step whatever the loss's scale, where SGD's step follows the gradient's
+#    size, which on deep nets spans orders of magnitude and overflows.
+# 7. `--tv-weight`, `--bn-weight`: inversion's image priors, for both
+#    objectives: neighbouring pixels alike (total variation), and for batch-norm
+#    networks each layer's statistics over the candidates equal to its running ones.
+# 8. `--ce-scope new` (CIL, part 3): the task's own images score only its new
+#    classes, so they never push the old classes' logits down; the replayed
+#    reconstructions alone keep old and new apart (Always Be Dreaming's local CE).
 #
 # The control, `--rec-objective inversion` (the +inversion variant): is it
 # Eq. 3 that makes the candidates useful, or would any optimisation that makes
@@ -256,6 +267,45 @@ def inversion_losses(model, params, x, y):
     return {"ce": F.cross_entropy(logits, y, reduction="sum"), "prior": image_prior(x)}
 
 
+def total_variation(x):
+    """Departure 7: the summed squared differences of neighbouring pixels."""
+    return (x[..., 1:, :] - x[..., :-1, :]).pow(2).sum() + (x[..., :, 1:] - x[..., :, :-1]).pow(2).sum()
+
+
+def batch_norm_statistics(net, params, x):
+    """Departure 7, DeepInversion's prior: over all batch-norm layers, the distance of the
+    candidates' per-channel mean and variance at that layer from its running statistics,
+    which summarise the data it was trained on. Zero when the candidates match them."""
+    distances = []
+
+    def compare(layer, inputs, output):
+        a = inputs[0].transpose(0, 1).flatten(1)  # channels x (candidates * positions)
+        distances.append((a.mean(1) - layer.running_mean).norm() + (a.var(1) - layer.running_var).norm())
+    hooks = [layer.register_forward_hook(compare) for layer in net.modules()
+             if isinstance(layer, torch.nn.BatchNorm2d)]
+    try:
+        functional_call(net, params, (x,))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return sum(distances)
+
+
+def with_priors(loss, net, params, cfg):
+    """Departure 7: the image priors added to an objective's terms, where their weights ask."""
+    if not (cfg.tv_weight or cfg.bn_weight):
+        return loss
+
+    def terms(x, lam):
+        out = loss(x, lam)
+        if cfg.tv_weight:
+            out["tv"] = cfg.tv_weight * total_variation(x)
+        if cfg.bn_weight:
+            out["bn"] = cfg.bn_weight * batch_norm_statistics(net, params, x)
+        return out
+    return terms
+
+
 def objective_of(model, fixed=None, m=None):
     """L_full with the departures its `cfg` has on, or the control's L_inv, as `reconstruct`
     takes it. `fixed` = (x, labels, lambdas) of the candidates departure 2 keeps, m the count of all."""
@@ -271,6 +321,7 @@ def objective_of(model, fixed=None, m=None):
             weight = cfg.ce_weight  # departure 5
             loss = eq6 if not weight else lambda x, lam: {
                 **eq6(x, lam), "ce": weight * inversion_losses(net, params, x, labels)["ce"]}
+        loss = with_priors(loss, net, params, cfg)
         device_type = next(iter(params.values())).device.type
 
         def in_precision(x, lam):
@@ -326,7 +377,7 @@ class Diverged(Exception):
     """Training produced a non-finite loss; the run's numbers would be meaningless."""
 
 
-def train_task(model, x, y, hooks, state, cfg, n_replayed=0):
+def train_task(model, x, y, hooks, state, cfg, n_replayed=0, n_old_classes=0):
     """Plain SGD on cross-entropy; the strategy's hooks add a loss term or edit gradients.
 
     The last `n_replayed` rows of x are ReCL's reconstructions. Each time one
@@ -334,6 +385,8 @@ def train_task(model, x, y, hooks, state, cfg, n_replayed=0):
     cfg.replay_noise times the pixel std of the task's own images (departure 4
     in part 1). Noise drawn once and kept does not help (docs/departures.md):
     it is a new draw each time that covers the neighbourhood.
+    With cfg.ce_scope "new" (departure 8), the task's own images are scored over
+    the classes after the first `n_old_classes` only.
     """
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
@@ -350,7 +403,11 @@ def train_task(model, x, y, hooks, state, cfg, n_replayed=0):
                 replayed = (rows >= first_replayed).view(-1, *[1] * (x.dim() - 1))
                 xb = xb + replayed * noise_std * torch.randn(xb.shape, generator=noise_gen, device=x.device)
             logits = model(xb)
-            loss = F.cross_entropy(logits, yb)
+            scored = logits
+            if cfg.ce_scope == "new" and n_old_classes:  # departure 8: real images leave old classes alone
+                own = (rows < first_replayed)[:, None] & (torch.arange(logits.shape[1], device=x.device) < n_old_classes)
+                scored = logits.masked_fill(own, float("-inf"))
+            loss = F.cross_entropy(scored, yb)
             if "extra_loss" in hooks:
                 loss = loss + hooks["extra_loss"](model, xb, yb, logits, state)
             optimizer.zero_grad()
@@ -414,7 +471,8 @@ def run_continual(cfg, tasks, log=print, judge=None, mean_image=None):
         if cfg.scenario == "cil":
             models.grow_head(model, per_task * (t + 1))
         try:
-            loss = train_task(model, x, y, hooks, state, cfg, len(x) - len(task.x_train))
+            loss = train_task(model, x, y, hooks, state, cfg, len(x) - len(task.x_train),
+                              per_task * t if cfg.scenario == "cil" else 0)
         except Diverged as err:  # the record says so and has no ACC or BWT to average
             diverged = f"{err} of task {t + 1}"
             log(f"  [{name}] task {t + 1}: diverged, {err}")

@@ -441,6 +441,105 @@ def test_filter_keeps_exactly_the_candidates_classified_as_their_label():
     assert recl.classified_as_labelled(model, x, y).tolist() == [True, True, False, True, False]
 
 
+# Departures 6-8: what conv nets need (docs/networks.md)
+
+def small_batch_norm_net():
+    """Two convolutions, each followed by batch norm, then a head: a stand-in for ResNet18."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3, bias=False),
+                         nn.BatchNorm2d(4, momentum=None), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 3))
+
+
+def test_the_batch_norm_prior_is_zero_at_the_running_statistics_and_positive_elsewhere():
+    net, x = small_batch_norm_net().eval(), torch.randn(16, 1, 8, 8) * 2 + 1
+    for layer in [m for m in net.modules() if isinstance(m, nn.BatchNorm2d)]:  # in order: each sees the last
+        seen = []
+        handle = layer.register_forward_hook(lambda mod, inputs, out: seen.append(inputs[0]))
+        with torch.no_grad():
+            net(x)
+        handle.remove()
+        a = seen[0].transpose(0, 1).flatten(1)
+        layer.running_mean.copy_(a.mean(1))
+        layer.running_var.copy_(a.var(1))
+    params = dict(net.named_parameters())
+    assert recl.batch_norm_statistics(net, params, x).item() < 1e-5
+    assert recl.batch_norm_statistics(net, params, x + 0.5).item() > 0.1
+    assert recl.batch_norm_statistics(net, params, 3 * x).item() > 0.1
+    # its gradient pulls candidates towards those statistics
+    z = (x + 0.5).requires_grad_()
+    recl.batch_norm_statistics(net, params, z).backward()
+    assert recl.batch_norm_statistics(net, params, z - 0.01 * z.grad).item() < \
+        recl.batch_norm_statistics(net, params, z).item()
+
+
+def test_total_variation_is_zero_for_flat_images_and_counts_each_neighbour_step():
+    assert recl.total_variation(torch.full((2, 1, 5, 5), 0.7)).item() == 0
+    stripe = torch.zeros(1, 1, 3, 3)
+    stripe[..., 1] = 1.0  # a vertical line: 2 steps of 1 in each of 3 rows
+    assert recl.total_variation(stripe).item() == 6.0
+
+
+def test_the_priors_enter_the_objective_with_their_weights_for_both_objectives():
+    model, labels = models.remember_start(small_batch_norm_net()).eval(), torch.tensor([0, 1, 2])
+    x, lam = torch.randn(3, 1, 8, 8), torch.rand(3)
+    for variant in ("recl", "inversion"):
+        plain = objective_terms(model, run_config(variant), labels, x, lam)
+        both = objective_terms(model, run_config(variant, tv_weight=0.5, bn_weight=2.0), labels, x, lam)
+        assert "tv" not in plain and "bn" not in plain
+        params = dict(model.named_parameters())
+        assert torch.allclose(both["tv"], 0.5 * recl.total_variation(x))
+        assert torch.allclose(both["bn"], 2.0 * recl.batch_norm_statistics(model, params, x), rtol=1e-4)
+        assert all(torch.allclose(both[k], plain[k]) for k in plain)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_batch_norm_network_reconstruction_never_ends_above_its_start(optimizer):
+    """ResNet18's reconstructions overflowed with SGD (docs/fashion.md); whatever the step size,
+    the candidates handed back score no worse than the noise they started from."""
+    model, labels = small_batch_norm_net(), torch.tensor([0, 1, 2]).repeat(4)
+    models.remember_start(model)
+    with torch.no_grad():  # a displacement to fit
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    model.eval()
+    reports = {}
+    for lr_x in (1e-2, 1e4):
+        cfg = run_config(rec_optimizer=optimizer, lr_x=lr_x, n_rec=20, m=4, bn_weight=0.1)
+        x, lam, reports[lr_x] = step1(model, labels, (1, 8, 8), cfg)
+        assert torch.isfinite(x).all() and reports[lr_x]["kept_loss"] <= reports[lr_x]["first_loss"]
+    if optimizer == "adam":  # at a sane step size Adam makes progress
+        assert reports[1e-2]["kept_loss"] < 0.99 * reports[1e-2]["first_loss"] and not reports[1e-2]["failed"]
+
+
+def test_adam_moves_each_candidate_pixel_by_about_its_step_size():
+    model, labels = small_batch_norm_net().eval(), torch.tensor([0, 1, 2])
+    models.remember_start(model)
+    cfg = run_config(rec_optimizer="adam", lr_x=0.05, n_rec=1, m=1, sigma_x=1e-3, rec_target="weights")
+    start = recl.initial_candidates(3, (1, 8, 8), cfg.sigma_x, cfg.seed)
+    x, _, _ = recl.reconstruct(model, labels, (1, 8, 8), cfg, lambda *a: None, recl.objective_of(model),
+                               (start[0].clone(), start[1].clone()))
+    moved = (x - start[0]).abs()
+    assert torch.allclose(moved[moved > 0], torch.tensor(0.05), rtol=1e-3)  # Adam's first step: lr * sign
+
+
+def test_ce_over_new_classes_leaves_the_old_heads_to_replay():
+    """Departure 8: the task's own images give the old classes' head rows no gradient;
+    replayed rows still do."""
+    def old_rows_after_training(scope, n_replayed):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Flatten(), nn.Linear(16, 4, bias=False))
+        x, y = torch.randn(12, 1, 4, 4), torch.tensor([2, 3] * 6)
+        if n_replayed:
+            y[-n_replayed:] = 0
+        before = model[1].weight[:2].clone()
+        recl.train_task(model, x, y, {}, {}, run_config(ce_scope=scope, epochs=2, batch_size=4, replay_noise=0.0),
+                        n_replayed, n_old_classes=2)
+        return (model[1].weight[:2] - before).abs().max().item()
+    assert old_rows_after_training("new", 0) == 0
+    assert old_rows_after_training("all", 0) > 0
+    assert old_rows_after_training("new", 4) > 0
+
+
 # =============================================================================
 # 3. Metrics
 # =============================================================================
@@ -1192,6 +1291,11 @@ def test_non_homogeneous_models_run_a_recl_task(name):
     (["--method", "joint", "--no-freeze-old"], "--freeze-old applies to the \\+ReCL variant only"),
     (["--data-root", "elsewhere"], "mnist is not read from a data folder"),
     (["--scenario", "dil", "--classes-per-task", "1"], "nothing to learn"),
+    (["--model", "cnn", "--bn-weight", "1"], "the cnn has no batch norm"),
+    (["--scenario", "dil", "--ce-scope", "new"], "DIL tasks share their classes"),
+    (["--method", "joint", "--ce-scope", "new"], "joint trains all at once"),
+    (["--variant", "base", "--rec-optimizer", "adam"], "--rec-optimizer applies to the \\+ReCL variant only"),
+    (["--tv-weight", "-1"], "--tv-weight must be a finite number >= 0"),
 ])
 def test_bad_cli_values_are_rejected_with_a_reason(argv, words, monkeypatch, tmp_path):
     monkeypatch.setattr(recl, "run_continual", lambda *a, **k: pytest.fail("it trained"))
