@@ -72,7 +72,7 @@ def pending_runs(lines, say=lambda message: print(message, file=sys.stderr)):
     """The command lines (each one run, or one search) whose result is missing, less those
     of datasets that cannot be loaded. run_all.sh passes its extra flags to every run: a
     line loses those its run does not use and would refuse (the +ReCL flags for the
-    method alone, Eq. 3-6's for the inversion control)."""
+    method alone, Eq. 3-6's for the inversion control, --ce-scope for DIL and joint)."""
     todo, loadable = [], {}
     for line in lines:
         command = command_args(line)
@@ -82,6 +82,8 @@ def pending_runs(lines, say=lambda message: print(message, file=sys.stderr)):
         value = lambda flag: argv[argv.index(flag) + 1:][:1] if flag in argv else []
         unused = (config.RECL_FLAGS if value("--method") == ["joint"] or value("--variant") == ["base"]
                   else config.NOT_FOR_INVERSION if value("--rec-objective") == ["inversion"] else ())
+        if value("--scenario") == ["dil"] or value("--method") == ["joint"]:
+            unused = (*unused, "ce_scope")  # a class-incremental setting
         if kind == "run" and unused:
             kept = config.without_flags(argv, unused)
             words = shlex.split(line)
@@ -600,9 +602,10 @@ def reconstruction_step(name, input_shape, m, device, repeats, precision="float3
             "gflop": flops / 1e9, "gflops": flops / seconds / 1e9}
 
 
-def end_to_end(device):
-    """Finetune and Finetune+ReCL, SplitMNIST CIL, seed 0, as the command line runs them."""
-    args = config.make_parser().parse_args(["--device", device.type])
+def end_to_end(device, model="mlp", dataset="mnist", scenario="cil"):
+    """Finetune and Finetune+ReCL, seed 0, one after the other, as the command line runs them."""
+    args = config.make_parser().parse_args(["--device", device.type, "--model", model, "--dataset", dataset,
+                                            "--scenario", scenario])
     config.check(args, probe_out=False)
     runs = {}
     for variant in ("base", "recl"):
@@ -626,7 +629,17 @@ def benchmark(argv):
     p.add_argument("--compile", action="store_true",
                    help="also time the MLP step under torch.compile (compiling takes seconds to a minute)")
     p.add_argument("--out", default=None, help="JSON file (default: results/benchmark-DEVICE.json)")
+    p.add_argument("--model", choices=models.MODELS, default="mlp", help="the network of the end-to-end runs")
+    p.add_argument("--dataset", default="mnist", help="the dataset of the end-to-end runs (default: mnist)")
+    p.add_argument("--scenario", choices=["cil", "dil"], default="cil", help="their scenario (default: cil)")
+    p.add_argument("--no-steps", action="store_true", help="skip the per-step timings")
     args = p.parse_args(argv)
+    if args.dataset not in data.DATASETS:
+        raise UsageError(f"--dataset must be one of {', '.join(data.DATASETS)}, got {args.dataset!r}")
+    if args.no_runs and args.no_steps:
+        raise UsageError("--no-runs with --no-steps leaves nothing to measure")
+    if args.compile and args.no_steps:
+        raise UsageError("--compile times a step against the eager one; it cannot go with --no-steps")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was asked for but no CUDA device is available")
     if args.repeats < 1:
@@ -646,7 +659,7 @@ def benchmark(argv):
     steps = []
     print("| model | m | products in | seconds per step | GFLOP per step | GFLOP/s | share of float32 matmul rate |")
     print("|---|---|---|---|---|---|---|")
-    for name, shape in (("mlp", (1, 28, 28)), ("cnn", (3, 32, 32))):
+    for name, shape in () if args.no_steps else (("mlp", (1, 28, 28)), ("cnn", (3, 32, 32))):
         for m in (200, 800):
             for precision in ("float32", "bfloat16"):
                 row = reconstruction_step(name, shape, m, device, args.repeats, precision)
@@ -664,9 +677,11 @@ def benchmark(argv):
             print(f"| mlp | {m} | {row['seconds']:.4f} | {eager:.4f} | {row['first_call_seconds']:.1f} |", flush=True)
     result = {"machine": machine, "matmul": peak, "matmul_bfloat16": peak_bf16, "steps": steps}
     if not args.no_runs:
-        runs = end_to_end(device)
-        result["runs"] = runs
-        print("\n| SplitMNIST CIL, seed 0 | seconds | ACC | of which reconstruction |\n|---|---|---|---|")
+        data.load(args.dataset, "data")  # a dataset that cannot load says so before anything runs
+        runs = end_to_end(device, args.model, args.dataset, args.scenario)
+        result["runs"] = {**runs, "model": args.model, "dataset": args.dataset, "scenario": args.scenario}
+        print(f"\n| {args.dataset} {args.scenario.upper()}, {args.model}, seed 0 | seconds | ACC | of which reconstruction |"
+              "\n|---|---|---|---|")
         for name in ("finetune", "finetune+recl"):
             r = runs[name]
             print(f"| {name} | {r['seconds']:.1f} | {r['ACC']:.2f} | {r['phase_seconds']['reconstruct']:.1f} |")
