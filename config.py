@@ -99,7 +99,7 @@ RECONSTRUCTION = {
 # target's relative L_rec, Eq. 3 on the weights, or inversion's summed cross-entropy.
 # Adam (departure 6) moves each pixel by about lr_x a step, whatever the loss's scale:
 # one value serves every objective.
-LR_X = {"displacement": 3.0, "last-task": 3.0, "weights": 1.0, "inversion": {"cil": 0.003, "dil": 0.3}, "adam": 0.01}
+LR_X = {"displacement": 3.0, "weights": 1.0, "inversion": {"cil": 0.003, "dil": 0.3}, "adam": 0.01}
 
 # Per network, what its runs change from the MLP's settings above: (the method alone,
 # +ReCL), each a dict of Config fields, a value per scenario where it is a dict. The paper
@@ -372,9 +372,8 @@ def make_parser(prog="recl.py", description=DESCRIPTION):
     g.add_argument("--lr-lambda", type=float, help="step size for the coefficients lambda_i (default: 0.1)")
     g.add_argument("--lambda-min", type=float, help="Eq. 4 pushes each lambda_i above this (default: 0.05)")
     g.add_argument("--alpha", type=float, help="sharpness of the smooth ReLU backward (default: 100)")
-    g.add_argument("--rec-target", choices=["weights", "displacement", "last-task"],
-                   help="fit theta (Eq. 3 as written), theta - theta_0, or what the last task added, "
-                        "theta - theta_{t-1} (default: displacement)")
+    g.add_argument("--rec-target", choices=["weights", "displacement"],
+                   help="fit theta (Eq. 3 as written) or theta - theta_0 (default: displacement)")
     g.add_argument("--freeze-old", action=argparse.BooleanOptionalAction,
                    help="classes reconstructed before keep their candidates, fixed (default: on)")
     g.add_argument("--filter", action=argparse.BooleanOptionalAction,

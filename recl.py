@@ -219,12 +219,6 @@ def reconstruction_report(losses, best, first_terms):
 # 9. `--replay-batch N` (part 3): every batch of new data is joined by N
 #    reconstructions drawn afresh, as data-free CIL methods replay, instead of
 #    one long epoch over both; the cost of training no longer grows with the tasks.
-# 10. `--rec-target last-task`: L_rec fits what the last task's training added,
-#    theta - theta_{t-1}, with the new classes' candidates only (departure 2
-#    keeps the others). The displacement from theta_0 also holds every earlier
-#    task's steps, and its training on noisy replay, which the candidates of
-#    the new classes cannot explain: after task 2 they explained little of it.
-#
 # The control, `--rec-objective inversion` (the +inversion variant): is it
 # Eq. 3 that makes the candidates useful, or would any optimisation that makes
 # the model recognise them as their labels do? Model inversion (Simonyan et
@@ -236,8 +230,7 @@ def reconstruction_report(losses, best, first_terms):
 
 def reconstruction_target(params, start, target):
     """Departure 1: what the gradient combination should equal, and the scale of L_rec:
-    theta as in Eq. 3, or the displacement theta - `start` measured relative to its size
-    (`start`: theta_0, or with departure 10 the weights before the last task)."""
+    theta as in Eq. 3, or the displacement theta - theta_0 measured relative to its size."""
     if target == "weights":
         return params, 1.0
     if start is None:
@@ -322,10 +315,8 @@ def objective_of(model, fixed=None, m=None):
         if cfg.variant == "inversion":
             loss = lambda x, lam: inversion_losses(net, params, x, labels)
         else:
-            last_task = cfg.rec_target == "last-task"  # departure 10
-            start = getattr(model, "task_start", None) if last_task else models.start_weights(model)
-            target, scale = reconstruction_target(params, start, cfg.rec_target)
-            if fixed is not None and not last_task:  # their share of Eq. 3's sum never changes: subtract it once
+            target, scale = reconstruction_target(params, models.start_weights(model), cfg.rec_target)
+            if fixed is not None:  # their share of Eq. 3's sum never changes: subtract it once
                 share = weighted_gradient_sum(net, params, *fixed, m)
                 target = {k: target[k] - share[k] for k in target}
             eq6 = stationarity_loss(net, params, labels, target, cfg.lambda_min, m, scale)
@@ -492,8 +483,6 @@ def run_continual(cfg, tasks, log=print, judge=None, mean_image=None):
             x, y = torch.cat([x, x_rec]), torch.cat([y, y_rec])
         if cfg.scenario == "cil":
             models.grow_head(model, per_task * (t + 1))
-        if cfg.rec_target == "last-task":  # departure 10: what training on this task adds is read next
-            model.task_start = {k: v.detach().clone() for k, v in model.named_parameters()}
         try:
             loss = train_task(model, x, y, hooks, state, cfg, len(x) - len(task.x_train),
                               per_task * t if cfg.scenario == "cil" else 0)
