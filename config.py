@@ -89,7 +89,6 @@ RECONSTRUCTION = {
     "freeze_old": True,                    # departure 2
     "filter": True,                        # departure 3
     "replay_noise": 2.5,                   # departure 4, in pixel stds of the task
-    "replay_batch": 0,                     # departure 9; 0: the reconstructions join the task's data
     "ce_weight": {"cil": 3e-4, "dil": 0.0},  # departure 5; it cost ACC in DIL
     "rec_optimizer": "sgd",                # departure 6: "adam" for the conv nets (NETWORKS)
     "tv_weight": 0.0, "bn_weight": 0.0,    # departure 7: image priors of inversion on conv nets
@@ -113,7 +112,7 @@ NETWORKS = {
 }
 # `--paper`: the paper as written. Every departure off, and the method's own training budget.
 PAPER = {"rec_target": "weights", "freeze_old": False, "filter": False, "replay_noise": 0.0, "ce_weight": 0.0,
-         "rec_optimizer": "sgd", "tv_weight": 0.0, "bn_weight": 0.0, "ce_scope": "all", "replay_batch": 0}
+         "rec_optimizer": "sgd", "tv_weight": 0.0, "bn_weight": 0.0, "ce_scope": "all"}
 # The inversion control has no lambdas, no stationarity target and no added cross-entropy.
 NOT_FOR_INVERSION = ("lr_lambda", "lambda_min", "rec_target", "ce_weight")
 
@@ -152,7 +151,6 @@ class Config:
     freeze_old: bool | None = None
     filter: bool | None = None
     replay_noise: float | None = None
-    replay_batch: int | None = None        # departure 9
     ce_weight: float | None = None
     rec_optimizer: str | None = None       # departure 6
     tv_weight: float | None = None         # departure 7, with bn_weight
@@ -170,7 +168,7 @@ class Config:
 NOT_IN_DIGEST = ("seed", "device", "data_root")
 # Settings added after runs were shipped, at the value those runs used: left out of the
 # digest while they have it, so that the earlier results keep their names.
-ADDED_LATER = {"ce_scope": "all", "rec_optimizer": "sgd", "tv_weight": 0.0, "bn_weight": 0.0, "replay_batch": 0}
+ADDED_LATER = {"ce_scope": "all", "rec_optimizer": "sgd", "tv_weight": 0.0, "bn_weight": 0.0}
 
 
 def digest(cfg):
@@ -265,7 +263,7 @@ def describe(cfg):
     text += "".join(f", {k} {v:g}" for k, v in cfg.hp.items())
     if cfg.variant != "base":
         shown = ["m", "n_rec", "sigma_x", "lr_x", "lr_lambda", "lambda_min", "alpha", "rec_target", "ce_weight",
-                 "rec_optimizer", "tv_weight", "bn_weight", "replay_noise", "replay_batch", "freeze_old", "filter",
+                 "rec_optimizer", "tv_weight", "bn_weight", "replay_noise", "freeze_old", "filter",
                  "rec_precision", "tuning", "trials"]
         values = [f"{k} {getattr(cfg, k):g}" if isinstance(getattr(cfg, k), float) else f"{k} {getattr(cfg, k)}"
                   for k in shown if getattr(cfg, k) is not None]
@@ -304,7 +302,7 @@ def method_hyperparameter(text):
 
 # Flags that only the +ReCL variants use, by their config names.
 RECL_FLAGS = ["m", "n_rec", "sigma_x", "lr_x", "lr_lambda", "lambda_min", "alpha", "rec_target", "freeze_old",
-              "filter", "replay_noise", "replay_batch", "ce_weight", "rec_optimizer", "tv_weight", "bn_weight",
+              "filter", "replay_noise", "ce_weight", "rec_optimizer", "tv_weight", "bn_weight",
               "rec_precision", "tuning", "trials", "paper", "rec_objective", "save_images"]
 
 
@@ -380,8 +378,6 @@ def make_parser(prog="recl.py", description=DESCRIPTION):
                    help="train only on candidates the model classifies as their label (default: on)")
     g.add_argument("--replay-noise", type=float, help="std of the fresh noise on replayed reconstructions, in "
                    "pixel stds of the task (default: 2.5, 0 for GPM)")
-    g.add_argument("--replay-batch", type=int, help="reconstructions drawn afresh into every batch of new data, "
-                   "an epoch being one pass over the new data; 0: they join the task's data (default: 0)")
     g.add_argument("--ce-weight", type=float, help="weight of inversion's cross-entropy added to Eq. 6 "
                    "(default: 0.0003 in CIL, 0 in DIL)")
     g.add_argument("--rec-optimizer", choices=["sgd", "adam"],
@@ -426,7 +422,6 @@ def check(args, probe_out=True):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise UsageError(f"--{flag} must be a positive finite number, got {value}")
     for flag, value in (("replay-noise", args.replay_noise), ("ce-weight", args.ce_weight),
-                        ("replay-batch", args.replay_batch),
                         ("tv-weight", args.tv_weight), ("bn-weight", args.bn_weight)):
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise UsageError(f"--{flag} must be a finite number >= 0, got {value}")

@@ -216,9 +216,7 @@ def reconstruction_report(losses, best, first_terms):
 # 8. `--ce-scope new` (CIL, part 3): the task's own images score only its new
 #    classes, so they never push the old classes' logits down; the replayed
 #    reconstructions alone keep old and new apart (Always Be Dreaming's local CE).
-# 9. `--replay-batch N` (part 3): every batch of new data is joined by N
-#    reconstructions drawn afresh, as data-free CIL methods replay, instead of
-#    one long epoch over both; the cost of training no longer grows with the tasks.
+#
 # The control, `--rec-objective inversion` (the +inversion variant): is it
 # Eq. 3 that makes the candidates useful, or would any optimisation that makes
 # the model recognise them as their labels do? Model inversion (Simonyan et
@@ -388,9 +386,7 @@ def train_task(model, x, y, hooks, state, cfg, n_replayed=0, n_old_classes=0):
     in part 1). Noise drawn once and kept does not help (docs/departures.md):
     it is a new draw each time that covers the neighbourhood.
     With cfg.ce_scope "new" (departure 8), the task's own images are scored over
-    the classes after the first `n_old_classes` only. With cfg.replay_batch N
-    (departure 9), an epoch is one pass over the task's own images, and each of
-    their batches is joined by N reconstructions drawn afresh.
+    the classes after the first `n_old_classes` only.
     """
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
@@ -398,17 +394,10 @@ def train_task(model, x, y, hooks, state, cfg, n_replayed=0, n_old_classes=0):
     # a Python float, so the batch loop never waits on the device to compare it
     noise_std = (cfg.replay_noise * x[:first_replayed].std()).item() if n_replayed else 0.0
     noise_gen = torch.Generator(device=x.device).manual_seed(cfg.seed)
-    replay_batch = cfg.replay_batch if n_replayed else 0
-    rows_per_epoch = first_replayed if replay_batch else len(x)
-    batches = data.loader(torch.arange(rows_per_epoch, device=x.device), y[:rows_per_epoch], cfg.batch_size,
-                          seed=cfg.seed)  # row numbers
+    batches = data.loader(torch.arange(len(x), device=x.device), y, cfg.batch_size, seed=cfg.seed)  # row numbers
     for epoch in range(cfg.epochs):
         total = 0.0
         for rows, yb in batches:
-            if replay_batch:  # departure 9: a fixed share of replay in every step
-                drawn = first_replayed + torch.randint(n_replayed, (replay_batch,), generator=noise_gen,
-                                                       device=x.device)
-                rows, yb = torch.cat([rows, drawn]), torch.cat([yb, y[drawn]])
             xb = x[rows]
             if noise_std > 0:
                 replayed = (rows >= first_replayed).view(-1, *[1] * (x.dim() - 1))
@@ -435,9 +424,7 @@ def train_task(model, x, y, hooks, state, cfg, n_replayed=0, n_old_classes=0):
     # start in them, and a net that fits its task can score chance. So re-estimate
     # them on the task's data with the final weights (docs/running.md, "Other models").
     # Networks without batch norm skip this.
-    every_row = batches if not replay_batch else data.loader(torch.arange(len(x), device=x.device), y,
-                                                             cfg.batch_size, seed=cfg.seed)
-    torch.optim.swa_utils.update_bn(((x[rows],) for rows, _ in every_row), model)
+    torch.optim.swa_utils.update_bn(((x[rows],) for rows, _ in batches), model)
     return total / len(x)  # mean loss of the last epoch
 
 

@@ -540,24 +540,6 @@ def test_ce_over_new_classes_leaves_the_old_heads_to_replay():
     assert old_rows_after_training("new", 4) > 0
 
 
-
-def test_a_replay_batch_joins_every_batch_of_new_data_and_an_epoch_is_one_pass_over_it():
-    """Departure 9: N reconstructions drawn into each batch; the new data is seen once per epoch."""
-    seen = []
-    record = lambda model, xb, yb, logits, state: seen.append(yb.clone()) or logits.sum() * 0
-    model = nn.Sequential(nn.Flatten(), nn.Linear(4, 3, bias=False))
-    x = torch.cat([torch.randn(10, 1, 2, 2), torch.randn(30, 1, 2, 2)])
-    y = torch.cat([torch.full((10,), 2), torch.randint(0, 2, (30,))])  # 10 new images, then 30 replayed
-    cfg = run_config(replay_batch=3, epochs=2, batch_size=4, replay_noise=0.0)
-    recl.train_task(model, x, y, {"extra_loss": record}, {}, cfg, n_replayed=30)
-    assert len(seen) == 2 * 3  # ceil(10 / 4) batches per epoch, 2 epochs
-    assert [int((b == 2).sum()) for b in seen] == [4, 4, 2] * 2  # each new image once per epoch
-    assert all(int((b != 2).sum()) == 3 for b in seen)  # and 3 reconstructions in every batch
-    seen.clear()
-    recl.train_task(model, x, y, {"extra_loss": record}, {}, run_config(epochs=1, batch_size=4, replay_noise=0.0),
-                    n_replayed=30)
-    assert len(seen) == 10 and sum(len(b) for b in seen) == 40  # without it: one pass over both
-
 # =============================================================================
 # 3. Metrics
 # =============================================================================
