@@ -91,7 +91,7 @@ RECONSTRUCTION = {
     "replay_noise": 2.5,                   # departure 4, in pixel stds of the task
     "ce_weight": {"cil": 3e-4, "dil": 0.0},  # departure 5; it cost ACC in DIL
     "rec_optimizer": "sgd",                # departure 6: "adam" for the conv nets (NETWORKS)
-    "tv_weight": 0.0, "bn_weight": 0.0,    # departure 7: image priors of inversion on conv nets
+    "bn_weight": 0.0,                      # departure 7: the batch-norm prior, for ResNet18
     "rec_precision": "auto", "tuning": "naive", "trials": None,
 }
 # The candidates' step size depends on what their loss is: the displacement
@@ -112,7 +112,7 @@ NETWORKS = {
 }
 # `--paper`: the paper as written. Every departure off, and the method's own training budget.
 PAPER = {"rec_target": "weights", "freeze_old": False, "filter": False, "replay_noise": 0.0, "ce_weight": 0.0,
-         "rec_optimizer": "sgd", "tv_weight": 0.0, "bn_weight": 0.0, "ce_scope": "all"}
+         "rec_optimizer": "sgd", "bn_weight": 0.0, "ce_scope": "all"}
 # The inversion control has no lambdas, no stationarity target and no added cross-entropy.
 NOT_FOR_INVERSION = ("lr_lambda", "lambda_min", "rec_target", "ce_weight")
 
@@ -153,8 +153,7 @@ class Config:
     replay_noise: float | None = None
     ce_weight: float | None = None
     rec_optimizer: str | None = None       # departure 6
-    tv_weight: float | None = None         # departure 7, with bn_weight
-    bn_weight: float | None = None
+    bn_weight: float | None = None         # departure 7
     rec_precision: str | None = None
     tuning: str | None = None
     trials: int | None = None
@@ -168,7 +167,7 @@ class Config:
 NOT_IN_DIGEST = ("seed", "device", "data_root")
 # Settings added after runs were shipped, at the value those runs used: left out of the
 # digest while they have it, so that the earlier results keep their names.
-ADDED_LATER = {"ce_scope": "all", "rec_optimizer": "sgd", "tv_weight": 0.0, "bn_weight": 0.0}
+ADDED_LATER = {"ce_scope": "all", "rec_optimizer": "sgd", "bn_weight": 0.0}
 
 
 def digest(cfg):
@@ -263,7 +262,7 @@ def describe(cfg):
     text += "".join(f", {k} {v:g}" for k, v in cfg.hp.items())
     if cfg.variant != "base":
         shown = ["m", "n_rec", "sigma_x", "lr_x", "lr_lambda", "lambda_min", "alpha", "rec_target", "ce_weight",
-                 "rec_optimizer", "tv_weight", "bn_weight", "replay_noise", "freeze_old", "filter",
+                 "rec_optimizer", "bn_weight", "replay_noise", "freeze_old", "filter",
                  "rec_precision", "tuning", "trials"]
         values = [f"{k} {getattr(cfg, k):g}" if isinstance(getattr(cfg, k), float) else f"{k} {getattr(cfg, k)}"
                   for k in shown if getattr(cfg, k) is not None]
@@ -302,7 +301,7 @@ def method_hyperparameter(text):
 
 # Flags that only the +ReCL variants use, by their config names.
 RECL_FLAGS = ["m", "n_rec", "sigma_x", "lr_x", "lr_lambda", "lambda_min", "alpha", "rec_target", "freeze_old",
-              "filter", "replay_noise", "ce_weight", "rec_optimizer", "tv_weight", "bn_weight",
+              "filter", "replay_noise", "ce_weight", "rec_optimizer", "bn_weight",
               "rec_precision", "tuning", "trials", "paper", "rec_objective", "save_images"]
 
 
@@ -383,7 +382,6 @@ def make_parser(prog="recl.py", description=DESCRIPTION):
     g.add_argument("--rec-optimizer", choices=["sgd", "adam"],
                    help="the candidates' optimiser: SGD with momentum, as the paper, or Adam, as image inversion on "
                         "conv nets (default: sgd; NETWORKS may choose)")
-    g.add_argument("--tv-weight", type=float, help="weight of a total-variation prior on the candidates (default: 0)")
     g.add_argument("--bn-weight", type=float, help="weight of the batch-norm prior: the candidates' batch statistics "
                    "against each layer's running ones, for networks with batch norm (default: 0)")
     g.add_argument("--paper", action="store_true", default=None,
@@ -422,7 +420,7 @@ def check(args, probe_out=True):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise UsageError(f"--{flag} must be a positive finite number, got {value}")
     for flag, value in (("replay-noise", args.replay_noise), ("ce-weight", args.ce_weight),
-                        ("tv-weight", args.tv_weight), ("bn-weight", args.bn_weight)):
+                        ("bn-weight", args.bn_weight)):
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise UsageError(f"--{flag} must be a finite number >= 0, got {value}")
     if args.seed < 0:

@@ -210,9 +210,8 @@ def reconstruction_report(losses, best, first_terms):
 #    inversion on conv nets (DeepInversion): each pixel moves about lr_x per
 #    step whatever the loss's scale, where SGD's step follows the gradient's
 #    size, which on deep nets spans orders of magnitude and overflows.
-# 7. `--tv-weight`, `--bn-weight`: inversion's image priors, for both
-#    objectives: neighbouring pixels alike (total variation), and for batch-norm
-#    networks each layer's statistics over the candidates equal to its running ones.
+# 7. `--bn-weight` (ResNet18): DeepInversion's prior, for both objectives: at
+#    each batch-norm layer, the candidates' statistics equal to its running ones.
 # 8. `--ce-scope new` (CIL, part 3): the task's own images score only its new
 #    classes, so they never push the old classes' logits down; the replayed
 #    reconstructions alone keep old and new apart (Always Be Dreaming's local CE).
@@ -267,11 +266,6 @@ def inversion_losses(model, params, x, y):
     return {"ce": F.cross_entropy(logits, y, reduction="sum"), "prior": image_prior(x)}
 
 
-def total_variation(x):
-    """Departure 7: the summed squared differences of neighbouring pixels."""
-    return (x[..., 1:, :] - x[..., :-1, :]).pow(2).sum() + (x[..., :, 1:] - x[..., :, :-1]).pow(2).sum()
-
-
 def batch_norm_statistics(net, params, x):
     """Departure 7, DeepInversion's prior: over all batch-norm layers, the distance of the
     candidates' per-channel mean and variance at that layer from its running statistics,
@@ -291,19 +285,11 @@ def batch_norm_statistics(net, params, x):
     return sum(distances)
 
 
-def with_priors(loss, net, params, cfg):
-    """Departure 7: the image priors added to an objective's terms, where their weights ask."""
-    if not (cfg.tv_weight or cfg.bn_weight):
+def with_batch_norm_prior(loss, net, params, cfg):
+    """Departure 7: the batch-norm prior added to an objective's terms, if its weight asks."""
+    if not cfg.bn_weight:
         return loss
-
-    def terms(x, lam):
-        out = loss(x, lam)
-        if cfg.tv_weight:
-            out["tv"] = cfg.tv_weight * total_variation(x)
-        if cfg.bn_weight:
-            out["bn"] = cfg.bn_weight * batch_norm_statistics(net, params, x)
-        return out
-    return terms
+    return lambda x, lam: {**loss(x, lam), "bn": cfg.bn_weight * batch_norm_statistics(net, params, x)}
 
 
 def objective_of(model, fixed=None, m=None):
@@ -321,7 +307,7 @@ def objective_of(model, fixed=None, m=None):
             weight = cfg.ce_weight  # departure 5
             loss = eq6 if not weight else lambda x, lam: {
                 **eq6(x, lam), "ce": weight * inversion_losses(net, params, x, labels)["ce"]}
-        loss = with_priors(loss, net, params, cfg)
+        loss = with_batch_norm_prior(loss, net, params, cfg)
         device_type = next(iter(params.values())).device.type
 
         def in_precision(x, lam):

@@ -472,22 +472,14 @@ def test_the_batch_norm_prior_is_zero_at_the_running_statistics_and_positive_els
         recl.batch_norm_statistics(net, params, z).item()
 
 
-def test_total_variation_is_zero_for_flat_images_and_counts_each_neighbour_step():
-    assert recl.total_variation(torch.full((2, 1, 5, 5), 0.7)).item() == 0
-    stripe = torch.zeros(1, 1, 3, 3)
-    stripe[..., 1] = 1.0  # a vertical line: 2 steps of 1 in each of 3 rows
-    assert recl.total_variation(stripe).item() == 6.0
-
-
-def test_the_priors_enter_the_objective_with_their_weights_for_both_objectives():
+def test_the_batch_norm_prior_enters_the_objective_with_its_weight_for_both_objectives():
     model, labels = models.remember_start(small_batch_norm_net()).eval(), torch.tensor([0, 1, 2])
     x, lam = torch.randn(3, 1, 8, 8), torch.rand(3)
     for variant in ("recl", "inversion"):
         plain = objective_terms(model, run_config(variant), labels, x, lam)
-        both = objective_terms(model, run_config(variant, tv_weight=0.5, bn_weight=2.0), labels, x, lam)
-        assert "tv" not in plain and "bn" not in plain
+        both = objective_terms(model, run_config(variant, bn_weight=2.0), labels, x, lam)
+        assert "bn" not in plain
         params = dict(model.named_parameters())
-        assert torch.allclose(both["tv"], 0.5 * recl.total_variation(x))
         assert torch.allclose(both["bn"], 2.0 * recl.batch_norm_statistics(model, params, x), rtol=1e-4)
         assert all(torch.allclose(both[k], plain[k]) for k in plain)
 
@@ -1295,7 +1287,7 @@ def test_non_homogeneous_models_run_a_recl_task(name):
     (["--scenario", "dil", "--ce-scope", "new"], "DIL tasks share their classes"),
     (["--method", "joint", "--ce-scope", "new"], "joint trains all at once"),
     (["--variant", "base", "--rec-optimizer", "adam"], "--rec-optimizer applies to the \\+ReCL variant only"),
-    (["--tv-weight", "-1"], "--tv-weight must be a finite number >= 0"),
+    (["--model", "resnet18", "--bn-weight", "-1"], "--bn-weight must be a finite number >= 0"),
 ])
 def test_bad_cli_values_are_rejected_with_a_reason(argv, words, monkeypatch, tmp_path):
     monkeypatch.setattr(recl, "run_continual", lambda *a, **k: pytest.fail("it trained"))
