@@ -443,7 +443,8 @@ def check(args, probe_out=True):
                 raise UsageError(f"--{name.replace('_', '-')} is part of Eq. 3-6; the inversion control "
                                  "(--rec-objective inversion) does not use it")
     if args.bn_weight and args.model not in models.WITH_BATCH_NORM:
-        raise UsageError(f"--bn-weight: the {args.model} has no batch norm, so there are no running statistics to match")
+        raise UsageError(f"--bn-weight: the {args.model} has no batch norm, so there are no running statistics "
+                         "to match")
     if args.ce_scope is not None and (args.scenario == "dil" or args.method == "joint"):
         raise UsageError("--ce-scope applies to class-incremental training after the first task; "
                          + ("DIL tasks share their classes" if args.scenario == "dil" else "joint trains all at once"))

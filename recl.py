@@ -391,8 +391,8 @@ def train_task(model, x, y, hooks, state, cfg, n_replayed=0, n_old_classes=0):
             logits = model(xb)
             scored = logits
             if cfg.ce_scope == "new" and n_old_classes:  # departure 8: real images leave old classes alone
-                own = (rows < first_replayed)[:, None] & (torch.arange(logits.shape[1], device=x.device) < n_old_classes)
-                scored = logits.masked_fill(own, float("-inf"))
+                old = torch.arange(logits.shape[1], device=x.device) < n_old_classes
+                scored = logits.masked_fill((rows < first_replayed)[:, None] & old, float("-inf"))
             loss = F.cross_entropy(scored, yb)
             if "extra_loss" in hooks:
                 loss = loss + hooks["extra_loss"](model, xb, yb, logits, state)
