@@ -1334,8 +1334,8 @@ def test_each_run_header_names_every_setting_it_resolved_to():
     alone, changes = config.PRESETS["cil"]["ewc"]
     for shown in ["ewc+recl | cil | mnist (validation split) | cnn | seed 3 |", "100 per class, 2 per task",
                   f"lr {changes['lr']:g}, {alone['epochs']} epochs, batch 64, ewc_lambda {changes['ewc_lambda']:g}",
-                  "m 100, n_rec 100, sigma_x 0.001, lr_x 3, lr_lambda 0.1, lambda_min 0.05, alpha 100",
-                  "rec_target displacement", f"replay_noise {config.RECONSTRUCTION['replay_noise']:g}",
+                  f"m 100, n_rec 100, sigma_x 0.001, lr_x {config.LR_X['adam']:g}, lr_lambda 0.1, lambda_min 0.05, "
+                  "alpha 100", "rec_optimizer adam", "rec_target displacement", f"replay_noise {config.RECONSTRUCTION['replay_noise']:g}",
                   f"config {config.digest(cfg)}"]:
         assert shown in header, shown
     base = config.describe(resolved("--method", "ewc", variant="base"))
@@ -1343,6 +1343,24 @@ def test_each_run_header_names_every_setting_it_resolved_to():
     inversion = config.describe(resolved("--rec-objective", "inversion", variant="inversion"))
     assert "lr_lambda" not in inversion and "rec_target" not in inversion and "ce_weight" not in inversion
 
+
+def test_each_network_runs_its_own_settings_unless_a_flag_or_the_paper_says_otherwise():
+    """config.NETWORKS: the CNN's +ReCL variant reconstructs with Adam at its own step size;
+    the MLP, the method alone, explicit flags and --paper are untouched by it."""
+    cnn, mlp = resolved("--model", "cnn"), resolved()
+    assert (cnn.rec_optimizer, cnn.lr_x) == ("adam", config.LR_X["adam"])
+    assert (mlp.rec_optimizer, mlp.lr_x) == ("sgd", config.LR_X["displacement"])
+    assert resolved("--model", "cnn", "--rec-objective", "inversion", variant="inversion").rec_optimizer == "adam"
+    assert resolved("--model", "cnn", variant="base") == dataclasses.replace(resolved(variant="base"), model="cnn")
+    assert resolved("--model", "cnn", "--lr-x", "0.5").lr_x == 0.5
+    sgd = resolved("--model", "cnn", "--rec-optimizer", "sgd")  # another optimiser takes its own default step
+    assert (sgd.rec_optimizer, sgd.lr_x) == ("sgd", config.LR_X["displacement"])
+    paper = resolved("--model", "cnn", "--paper")
+    assert (paper.rec_optimizer, paper.lr_x, paper.ce_scope) == ("sgd", config.LR_X["weights"], "all")
+    for name, (alone, changes) in config.NETWORKS.items():  # only real settings, in the right column
+        fields = {f.name for f in dataclasses.fields(config.Config)}
+        assert name in models.MODELS and set(alone) | set(changes) <= fields, name
+        assert not set(alone) & set(config.RECONSTRUCTION), f"{name}: +ReCL settings belong in its second column"
 
 def test_a_config_holds_only_what_applies_and_its_digest_changes_with_any_setting():
     base, recl_, inversion = (resolved(variant=v) for v in ("base", "recl", "inversion"))
