@@ -4,8 +4,9 @@ A run is one `Config`: every value it uses, written out. It comes from three
 places, in this order, and nowhere else:
 
     1. PRESETS below: per scenario and method, what the method alone trains
-       with and what its +ReCL variant changes; RECONSTRUCTION: Step 1's
-       settings; PAPER: what `--paper` puts back.
+       with and what its +ReCL variant changes; NETWORKS: what a network
+       changes in both; RECONSTRUCTION: Step 1's settings; PAPER: what
+       `--paper` puts back.
     2. the flags given on the command line (a flag always wins);
     3. the machine, for `--rec-precision auto` and `--device auto` only.
 
@@ -198,36 +199,37 @@ def result_path(out, cfg):
     return Path(out) / f"{run_name(cfg)}-{digest(cfg)}-seed{cfg.seed}.json"
 
 
-def preset(scenario, method, variant):
-    """lr, epochs, the method's hyperparameters and (with ReCL) the replay noise a run starts from."""
+def preset(scenario, method, variant, model="mlp"):
+    """What a run starts from before RECONSTRUCTION and the flags, lowest first: the defaults,
+    the method alone (PRESETS, then the network's NETWORKS column), then, for a +ReCL variant,
+    what it changes (PRESETS, then NETWORKS). A value given per scenario is taken for `scenario`."""
+    in_scenario = lambda table: {k: (v[scenario] if isinstance(v, dict) else v) for k, v in table.items()}
     alone, recl_changes = PRESETS.get(scenario, {}).get(method, ({}, {}))
-    chosen = {**DEFAULT_TRAINING, **strategies.defaults(method), **alone}
-    return {**chosen, **(recl_changes or {})} if variant != "base" else chosen
+    net_alone, net_recl = NETWORKS[model]
+    chosen = {**DEFAULT_TRAINING, **strategies.defaults(method), **alone, **in_scenario(net_alone)}
+    return {**chosen, **(recl_changes or {}), **in_scenario(net_recl)} if variant != "base" else chosen
 
 
 def resolve(args, seed, variant):
     """The Config of one run: the presets, then the flags given in `args` (None: not given).
 
-    Lowest first: the method's row of PRESETS, the network's row of NETWORKS (each the
-    method alone, then what +ReCL changes), RECONSTRUCTION, PAPER with --paper (which
-    also drops both +ReCL columns), and the flags given."""
+    Lowest first: `preset` (PRESETS and NETWORKS), RECONSTRUCTION, PAPER with --paper
+    (which also drops both +ReCL columns), and the flags given."""
     given = {k: v for k, v in vars(args).items() if v is not None}
     device = given["device"] if given.get("device", "auto") != "auto" else (
         "cuda" if torch.cuda.is_available() else "cpu")
     paper = bool(args.paper)
-    in_scenario = lambda table: {k: (v[args.scenario] if isinstance(v, dict) else v) for k, v in table.items()}
-    alone, recl_changes = NETWORKS[args.model]
-    chosen = {**preset(args.scenario, args.method, "base" if paper else variant), **in_scenario(alone),
-              **({} if paper or variant == "base" else in_scenario(recl_changes))}
+    chosen = preset(args.scenario, args.method, "base" if paper else variant, args.model)
     fields = {"dataset": args.dataset, "scenario": args.scenario, "method": args.method, "variant": variant,
               "model": args.model, "seed": seed, "n_per_class": args.n_per_class, "validation": args.validation,
               "classes_per_task": given.get("classes_per_task", 20 if args.dataset == "tinyimagenet" else 2),
               "data_root": args.data_root or "data", "batch_size": args.batch_size, "device": device,
               "lr": given.get("lr", chosen["lr"]), "epochs": given.get("epochs", chosen["epochs"]),
-              "ce_scope": given.get("ce_scope", "all" if paper else chosen.get("ce_scope", "all")),
+              "ce_scope": given.get("ce_scope", PAPER["ce_scope"] if paper else chosen.get("ce_scope", "all")),
               "hp": {**{k: chosen[k] for k in strategies.defaults(args.method)}, **dict(args.hp)}}
     if variant != "base":
-        rec = {**in_scenario(RECONSTRUCTION), "m": args.n_per_class or 100}
+        rec = {k: (v[args.scenario] if isinstance(v, dict) else v) for k, v in RECONSTRUCTION.items()}
+        rec["m"] = args.n_per_class or 100
         rec.update({k: chosen[k] for k in rec if k in chosen})
         rec.update({k: v for k, v in PAPER.items() if k in rec} if paper else {}, paper=paper)
         rec.update({k: given[k] for k in rec if k in given})
@@ -235,8 +237,9 @@ def resolve(args, seed, variant):
             rec.update({k: None for k in NOT_FOR_INVERSION})
         default_lr_x = (LR_X["adam"] if rec["rec_optimizer"] == "adam" else LR_X["inversion"][args.scenario]
                         if variant == "inversion" else LR_X[rec["rec_target"]])
-        # a network's own lr_x was chosen for its optimiser: another optimiser given takes the default
-        rec["lr_x"] = given.get("lr_x", default_lr_x if "rec_optimizer" in given else chosen.get("lr_x", default_lr_x))
+        # a network's own lr_x was chosen for its optimiser: another optimiser takes that one's default
+        same_optimiser = rec["rec_optimizer"] == chosen.get("rec_optimizer", rec["rec_optimizer"])
+        rec["lr_x"] = given.get("lr_x", chosen.get("lr_x", default_lr_x) if same_optimiser else default_lr_x)
         rec["rec_precision"] = reconstruction_precision(rec["rec_precision"], torch.device(device))
         if rec["tuning"] != "naive" and rec["trials"] is None:
             rec["trials"] = 10

@@ -82,9 +82,11 @@ def pending_runs(lines, say=lambda message: print(message, file=sys.stderr)):
         value = lambda flag: argv[argv.index(flag) + 1:][:1] if flag in argv else []
         unused = (config.RECL_FLAGS if value("--method") == ["joint"] or value("--variant") == ["base"]
                   else config.NOT_FOR_INVERSION if value("--rec-objective") == ["inversion"] else ())
+        if kind == "tune":  # a search refuses what it does not search, but for this one
+            unused = ()
         if value("--scenario") == ["dil"] or value("--method") == ["joint"]:
             unused = (*unused, "ce_scope")  # a class-incremental setting
-        if kind == "run" and unused:
+        if unused:
             kept = config.without_flags(argv, unused)
             words = shlex.split(line)
             line, argv = shlex.join(words[:len(words) - len(argv)] + kept), kept
@@ -191,7 +193,9 @@ def method_rank(method):
 
 def differences(old, new):
     keys = sorted(set(old) | set(new), key=str)
-    return ", ".join(f"{k} {new.get(k)}" for k in keys if k not in config.NOT_IN_DIGEST and old.get(k) != new.get(k))
+    same = lambda k: old.get(k) == new.get(k) or (  # a setting added later, at the value earlier runs had
+        k in config.ADDED_LATER and {old.get(k), new.get(k)} <= {None, config.ADDED_LATER[k]})
+    return ", ".join(f"{k} {new.get(k)}" for k in keys if k not in config.NOT_IN_DIGEST and not same(k))
 
 
 def summary_table(records):
@@ -628,7 +632,8 @@ def benchmark(argv):
     p.add_argument("--no-runs", action="store_true", help="skip the end-to-end runs")
     p.add_argument("--compile", action="store_true",
                    help="also time the MLP step under torch.compile (compiling takes seconds to a minute)")
-    p.add_argument("--out", default=None, help="JSON file (default: results/benchmark-DEVICE.json)")
+    p.add_argument("--out", default=None, help="JSON file (default: results/benchmark-DEVICE.json, with the runs' "
+                   "model, dataset and scenario in the name when they are not mlp, mnist, cil)")
     p.add_argument("--model", choices=models.MODELS, default="mlp", help="the network of the end-to-end runs")
     p.add_argument("--dataset", default="mnist", help="the dataset of the end-to-end runs (default: mnist)")
     p.add_argument("--scenario", choices=["cil", "dil"], default="cil", help="their scenario (default: cil)")
@@ -657,8 +662,9 @@ def benchmark(argv):
     print(f"matrix product {peak['size']}x{peak['size']}: {peak['gflops']:.0f} GFLOP/s in float32, "
           f"{peak_bf16['gflops']:.0f} in bfloat16", flush=True)
     steps = []
-    print("| model | m | products in | seconds per step | GFLOP per step | GFLOP/s | share of float32 matmul rate |")
-    print("|---|---|---|---|---|---|---|")
+    if not args.no_steps:
+        print("| model | m | products in | seconds per step | GFLOP per step | GFLOP/s | share of float32 matmul "
+              "rate |\n|---|---|---|---|---|---|---|")
     for name, shape in () if args.no_steps else (("mlp", (1, 28, 28)), ("cnn", (3, 32, 32))):
         for m in (200, 800):
             for precision in ("float32", "bfloat16"):
@@ -686,7 +692,9 @@ def benchmark(argv):
             r = runs[name]
             print(f"| {name} | {r['seconds']:.1f} | {r['ACC']:.2f} | {r['phase_seconds']['reconstruct']:.1f} |")
         print(f"Finetune+ReCL / Finetune: {runs['ratio']:.1f}x (reconstruction in {runs['rec_precision']})")
-    out = Path(args.out or f"results/benchmark-{device.type}.json")
+    runs_of = "" if args.no_runs or (args.model, args.dataset, args.scenario) == ("mlp", "mnist", "cil") else (
+        f"-{args.model}-{args.dataset}-{args.scenario}")
+    out = Path(args.out or f"results/benchmark-{device.type}{runs_of}.json")
     write_json_atomically(out, result)
     print(f"-> {out}")
 

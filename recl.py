@@ -138,7 +138,7 @@ def reconstruct(model, labels, input_shape, cfg, log=print, objective=paper_obje
     """Step 1 of ReCL (Sec. 4.1): recover look-alikes of old training data from `model` alone.
 
     Random candidates and lambdas (or `start`), two full-batch SGD optimisers with
-    momentum 0.9, n_rec steps on L_full. `objective(net, params, labels, cfg)` gives
+    momentum 0.9 (Adam for the candidates with departure 6), n_rec steps on L_full. `objective(net, params, labels, cfg)` gives
     L_full; the departures below pass their own. Returns the candidates and lambdas
     with the lowest loss seen, the last step's included, and a report.
     """
@@ -148,8 +148,9 @@ def reconstruct(model, labels, input_shape, cfg, log=print, objective=paper_obje
     x, lam = start if start is not None else initial_candidates(len(labels), input_shape, cfg.sigma_x, cfg.seed)
     x, lam = x.to(device).requires_grad_(), lam.to(device).requires_grad_()
     L_full = objective(net, params, labels.to(device), cfg)
-    opt_x = (torch.optim.SGD([x], lr=cfg.lr_x, momentum=0.9) if cfg.rec_optimizer in (None, "sgd")
-             else torch.optim.Adam([x], lr=cfg.lr_x, betas=(0.5, 0.9)))  # departure 6
+    opt_x = {"sgd": lambda: torch.optim.SGD([x], lr=cfg.lr_x, momentum=0.9),
+             "adam": lambda: torch.optim.Adam([x], lr=cfg.lr_x, betas=(0.5, 0.9))}[cfg.rec_optimizer or "sgd"]()
+    # (departure 6: Adam, on the conv nets)
     opt_lam = torch.optim.SGD([lam], lr=cfg.lr_lambda or 0.0, momentum=0.9)  # the inversion control has none
     losses, best = [], None
     for step in range(cfg.n_rec + 1):  # the extra pass only scores the last step's candidates
@@ -192,8 +193,10 @@ def reconstruction_report(losses, best, first_terms):
 # -----------------------------------------------------------------------------
 # Departures from the paper, and a control
 # -----------------------------------------------------------------------------
-# Five departures, each behind a flag and chosen on validation data (`--paper`
-# turns them all off; docs/departures.md has why and the numbers):
+# Eight departures, each behind a flag (`--paper` turns them all off;
+# docs/departures.md has why and the numbers). 1-5 are every run's defaults,
+# chosen on validation data; 6-8 were added for the conv nets: 6 is the CNN's
+# default (config.NETWORKS), 7 and 8 are off unless asked for (docs/networks.md):
 #
 # 1. `--rec-target displacement`: L_rec fits theta - theta_0, what training
 #    added to the weights, relative to its size. Eq. 3 holds in the limit of
@@ -219,7 +222,8 @@ def reconstruction_report(losses, best, first_terms):
 # The control, `--rec-objective inversion` (the +inversion variant): is it
 # Eq. 3 that makes the candidates useful, or would any optimisation that makes
 # the model recognise them as their labels do? Model inversion (Simonyan et
-# al. 2014; DeepInversion, Yin et al. 2020, without its batch-norm term) asks
+# al. 2014; DeepInversion, Yin et al. 2020, with its batch-norm term only under
+# `--bn-weight`) asks
 # only the second: L_inv = sum_i CE(f(x_i), y_i) + L_prior, over the same
 # candidates, labels, optimiser, steps, filter and replay; no lambdas, no
 # stationarity condition, one backward pass per step instead of a double one.
@@ -273,7 +277,7 @@ def batch_norm_statistics(net, params, x):
     distances = []
 
     def compare(layer, inputs, output):
-        a = inputs[0].transpose(0, 1).flatten(1)  # channels x (candidates * positions)
+        a = inputs[0].float().transpose(0, 1).flatten(1)  # channels x (candidates * positions)
         distances.append((a.mean(1) - layer.running_mean).norm() + (a.var(1) - layer.running_var).norm())
     hooks = [layer.register_forward_hook(compare) for layer in net.modules()
              if isinstance(layer, torch.nn.BatchNorm2d)]
@@ -285,11 +289,13 @@ def batch_norm_statistics(net, params, x):
     return sum(distances)
 
 
-def with_batch_norm_prior(loss, net, params, cfg):
-    """Departure 7: the batch-norm prior added to an objective's terms, if its weight asks."""
+def with_batch_norm_prior(loss, net, params, cfg, kept=None):
+    """Departure 7: the batch-norm prior added to an objective's terms, if its weight asks.
+    The statistics are those of all candidates, the `kept` ones of departure 2 included."""
     if not cfg.bn_weight:
         return loss
-    return lambda x, lam: {**loss(x, lam), "bn": cfg.bn_weight * batch_norm_statistics(net, params, x)}
+    every = (lambda x: x) if kept is None else (lambda x: torch.cat([kept, x]))
+    return lambda x, lam: {**loss(x, lam), "bn": cfg.bn_weight * batch_norm_statistics(net, params, every(x))}
 
 
 def objective_of(model, fixed=None, m=None):
@@ -307,7 +313,7 @@ def objective_of(model, fixed=None, m=None):
             weight = cfg.ce_weight  # departure 5
             loss = eq6 if not weight else lambda x, lam: {
                 **eq6(x, lam), "ce": weight * inversion_losses(net, params, x, labels)["ce"]}
-        loss = with_batch_norm_prior(loss, net, params, cfg)
+        loss = with_batch_norm_prior(loss, net, params, cfg, None if fixed is None else fixed[0])
         device_type = next(iter(params.values())).device.type
 
         def in_precision(x, lam):

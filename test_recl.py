@@ -499,6 +499,7 @@ def test_a_batch_norm_network_reconstruction_never_ends_above_its_start(optimize
         cfg = run_config(rec_optimizer=optimizer, lr_x=lr_x, n_rec=20, m=4, bn_weight=0.1)
         x, lam, reports[lr_x] = step1(model, labels, (1, 8, 8), cfg)
         assert torch.isfinite(x).all() and reports[lr_x]["kept_loss"] <= reports[lr_x]["first_loss"]
+    assert reports[1e4]["failed"]  # a step that large overshoots, and the run says so
     if optimizer == "adam":  # at a sane step size Adam makes progress
         assert reports[1e-2]["kept_loss"] < 0.99 * reports[1e-2]["first_loss"] and not reports[1e-2]["failed"]
 
@@ -511,6 +512,7 @@ def test_adam_moves_each_candidate_pixel_by_about_its_step_size():
     x, _, _ = recl.reconstruct(model, labels, (1, 8, 8), cfg, lambda *a: None, recl.objective_of(model),
                                (start[0].clone(), start[1].clone()))
     moved = (x - start[0]).abs()
+    assert (moved > 0).float().mean() > 0.9  # the step was kept, and moved nearly every pixel
     assert torch.allclose(moved[moved > 0], torch.tensor(0.05), rtol=1e-3)  # Adam's first step: lr * sign
 
 
@@ -530,6 +532,20 @@ def test_ce_over_new_classes_leaves_the_old_heads_to_replay():
     assert old_rows_after_training("new", 0) == 0
     assert old_rows_after_training("all", 0) > 0
     assert old_rows_after_training("new", 4) > 0
+
+
+def test_the_loop_tells_training_which_classes_are_old(monkeypatch):
+    """run_continual passes the classes of earlier tasks to train_task in CIL, none in DIL."""
+    seen, real_train = [], recl.train_task
+    def spy(model, x, y, hooks, state, cfg, n_replayed=0, n_old_classes=0):
+        seen.append(n_old_classes)
+        return real_train(model, x, y, hooks, state, cfg, n_replayed, n_old_classes)
+    monkeypatch.setattr(recl, "train_task", spy)
+    recl.run_continual(run_config("base", epochs=1, ce_scope="new"), synthetic_tasks("cil"), lambda *a: None)
+    assert seen == [0, 2, 4]
+    seen.clear()
+    recl.run_continual(run_config("base", scenario="dil", epochs=1), synthetic_tasks("dil"), lambda *a: None)
+    assert seen == [0, 0, 0]
 
 
 # =============================================================================
@@ -1357,6 +1373,19 @@ def test_each_network_runs_its_own_settings_unless_a_flag_or_the_paper_says_othe
     assert (sgd.rec_optimizer, sgd.lr_x) == ("sgd", config.LR_X["displacement"])
     paper = resolved("--model", "cnn", "--paper")
     assert (paper.rec_optimizer, paper.lr_x, paper.ce_scope) == ("sgd", config.LR_X["weights"], "all")
+    assert resolved("--model", "cnn", "--rec-optimizer", "adam").lr_x == cnn.lr_x  # the network's optimiser, given
+
+
+def test_a_networks_settings_sit_between_the_methods_and_the_flags(monkeypatch):
+    """Lowest first: the method alone (PRESETS, NETWORKS), then +ReCL's changes (PRESETS, NETWORKS)."""
+    monkeypatch.setitem(config.NETWORKS, "cnn", ({"lr": 0.02, "epochs": 7}, {"rec_optimizer": "adam", "lr_x": 0.05}))
+    alone, changes = config.PRESETS["cil"]["finetune"]
+    assert (resolved("--model", "cnn", variant="base").lr, resolved("--model", "cnn", variant="base").epochs) == (0.02, 7)
+    with_recl = resolved("--model", "cnn")
+    assert (with_recl.lr, with_recl.epochs) == (changes["lr"], changes["epochs"])  # +ReCL's budget still wins
+    assert with_recl.lr_x == 0.05 and resolved("--model", "cnn", "--rec-optimizer", "adam").lr_x == 0.05
+    assert resolved("--model", "cnn", "--rec-optimizer", "sgd").lr_x == config.LR_X["displacement"]
+    assert resolved("--model", "cnn", "--paper").lr == 0.02  # --paper: the method alone's budget, on this network
     for name, (alone, changes) in config.NETWORKS.items():  # only real settings, in the right column
         fields = {f.name for f in dataclasses.fields(config.Config)}
         assert name in models.MODELS and set(alone) | set(changes) <= fields, name
@@ -1371,8 +1400,14 @@ def test_a_config_holds_only_what_applies_and_its_digest_changes_with_any_settin
     assert config.digest(resolved(seed=4)) == config.digest(recl_)  # the seed is in the file name, not the digest
     assert config.digest(resolved("--device", "cpu")) == config.digest(recl_)
     for flags in (["--lr", "0.5"], ["--epochs", "3"], ["--model", "cnn"], ["--paper"], ["--classes-per-task", "5"],
-                  ["--n-per-class", "50"], ["--batch-size", "32"], ["--validation"], ["--sigma-x", "0.01"]):
+                  ["--n-per-class", "50"], ["--batch-size", "32"], ["--validation"], ["--sigma-x", "0.01"],
+                  ["--ce-scope", "new"], ["--rec-optimizer", "adam"]):
         assert config.digest(resolved(*flags)) != config.digest(recl_), flags
+    # settings added later leave the digest alone at the value earlier runs had (their files keep their names)
+    for flags in (["--ce-scope", "all"], ["--rec-optimizer", "sgd"], ["--bn-weight", "0"]):
+        assert config.digest(resolved(*flags)) == config.digest(recl_), flags
+    resnet = resolved("--model", "resnet18")
+    assert config.digest(resolved("--model", "resnet18", "--bn-weight", "1")) != config.digest(resnet)
 
 
 def test_method_hyperparameters_come_from_the_command_line(tmp_path):
@@ -1531,6 +1566,11 @@ def test_run_all_gives_each_run_only_the_flags_it_uses():
     assert experiments.pending_runs([base, inversion]) == [
         "python recl.py --variant base --quiet --out /nonexistent",
         "python recl.py --variant recl --rec-objective inversion --n-rec 5 --quiet --out /nonexistent"]
+    dil, joint, cil = (f"python recl.py {words} --ce-scope new --quiet --out /nonexistent"  # a CIL setting
+                       for words in ("--scenario dil", "--method joint", "--scenario cil"))
+    assert experiments.pending_runs([dil, joint, cil]) == [
+        "python recl.py --scenario dil --quiet --out /nonexistent",
+        "python recl.py --method joint --quiet --out /nonexistent", cil]
 
 
 # =============================================================================
