@@ -138,9 +138,10 @@ def reconstruct(model, labels, input_shape, cfg, log=print, objective=paper_obje
     """Step 1 of ReCL (Sec. 4.1): recover look-alikes of old training data from `model` alone.
 
     Random candidates and lambdas (or `start`), two full-batch SGD optimisers with
-    momentum 0.9 (Adam for the candidates with departure 6), n_rec steps on L_full. `objective(net, params, labels, cfg)` gives
-    L_full; the departures below pass their own. Returns the candidates and lambdas
-    with the lowest loss seen, the last step's included, and a report.
+    momentum 0.9 (Adam for the candidates with departure 6), n_rec steps on L_full.
+    `objective(net, params, labels, cfg)` gives L_full; the departures below pass
+    their own. Returns the candidates and lambdas with the lowest loss seen, the
+    last step's included, and a report.
     """
     device = next(model.parameters()).device
     net = models.with_smooth_relu(model, cfg.alpha).eval()  # smooth backward, exact forward (Haim et al.)
@@ -148,9 +149,10 @@ def reconstruct(model, labels, input_shape, cfg, log=print, objective=paper_obje
     x, lam = start if start is not None else initial_candidates(len(labels), input_shape, cfg.sigma_x, cfg.seed)
     x, lam = x.to(device).requires_grad_(), lam.to(device).requires_grad_()
     L_full = objective(net, params, labels.to(device), cfg)
-    opt_x = {"sgd": lambda: torch.optim.SGD([x], lr=cfg.lr_x, momentum=0.9),
-             "adam": lambda: torch.optim.Adam([x], lr=cfg.lr_x, betas=(0.5, 0.9))}[cfg.rec_optimizer or "sgd"]()
-    # (departure 6: Adam, on the conv nets)
+    if cfg.rec_optimizer == "adam":  # departure 6, for the conv nets (betas of DeepInversion)
+        opt_x = torch.optim.Adam([x], lr=cfg.lr_x, betas=(0.5, 0.9))
+    else:
+        opt_x = torch.optim.SGD([x], lr=cfg.lr_x, momentum=0.9)
     opt_lam = torch.optim.SGD([lam], lr=cfg.lr_lambda or 0.0, momentum=0.9)  # the inversion control has none
     losses, best = [], None
     for step in range(cfg.n_rec + 1):  # the extra pass only scores the last step's candidates
