@@ -224,9 +224,8 @@ def reconstruction_report(losses, best, first_terms):
 # The control, `--rec-objective inversion` (the +inversion variant): is it
 # Eq. 3 that makes the candidates useful, or would any optimisation that makes
 # the model recognise them as their labels do? Model inversion (Simonyan et
-# al. 2014; DeepInversion, Yin et al. 2020, with its batch-norm term only under
-# `--bn-weight`) asks
-# only the second: L_inv = sum_i CE(f(x_i), y_i) + L_prior, over the same
+# al. 2014; DeepInversion, Yin et al. 2020, its batch-norm term only with
+# departure 7) asks only the second: L_inv = sum_i CE(f(x_i), y_i) + L_prior, over the same
 # candidates, labels, optimiser, steps, filter and replay; no lambdas, no
 # stationarity condition, one backward pass per step instead of a double one.
 # And for speed, `--rec-precision bfloat16` runs the loss's products in bfloat16.

@@ -1378,12 +1378,12 @@ def test_each_network_runs_its_own_settings_unless_a_flag_or_the_paper_says_othe
 
 def test_a_networks_settings_sit_between_the_methods_and_the_flags(monkeypatch):
     """Lowest first: the method alone (PRESETS, NETWORKS), then +ReCL's changes (PRESETS, NETWORKS)."""
-    monkeypatch.setitem(config.NETWORKS, "cnn", ({"lr": 0.02, "epochs": 7}, {"rec_optimizer": "adam", "lr_x": 0.05}))
+    monkeypatch.setitem(config.NETWORKS, "cnn", ({"lr": 0.02, "epochs": 7}, {"rec_optimizer": "adam", "n_rec": 30}))
     alone, changes = config.PRESETS["cil"]["finetune"]
     assert (resolved("--model", "cnn", variant="base").lr, resolved("--model", "cnn", variant="base").epochs) == (0.02, 7)
     with_recl = resolved("--model", "cnn")
     assert (with_recl.lr, with_recl.epochs) == (changes["lr"], changes["epochs"])  # +ReCL's budget still wins
-    assert with_recl.lr_x == 0.05 and resolved("--model", "cnn", "--rec-optimizer", "adam").lr_x == 0.05
+    assert (with_recl.n_rec, with_recl.lr_x) == (30, config.LR_X["adam"])
     assert resolved("--model", "cnn", "--rec-optimizer", "sgd").lr_x == config.LR_X["displacement"]
     assert resolved("--model", "cnn", "--paper").lr == 0.02  # --paper: the method alone's budget, on this network
     for name, (alone, changes) in config.NETWORKS.items():  # only real settings, in the right column
