@@ -85,7 +85,7 @@ PRESETS = {
 # Step 1 and the replay, for every +ReCL run (recl.py part 1 explains each).
 # m None: as many candidates per class as training images per class (100 with all).
 RECONSTRUCTION = {
-    "m": None, "n_rec": 100, "sigma_x": 1e-3, "lr_lambda": 0.1, "lambda_min": 0.05, "alpha": 100.0,
+    "m": None, "n_rec": 100, "sigma_x": 1e-3, "lr_lambda": None, "lambda_min": 0.05, "alpha": 100.0,
     "rec_target": "displacement",          # departure 1
     "freeze_old": True,                    # departure 2
     "filter": True,                        # departure 3
@@ -100,6 +100,9 @@ RECONSTRUCTION = {
 # Adam (departure 6) moves each pixel by about lr_x a step, whatever the loss's scale:
 # one value for every objective (validated for Eq. 3 only).
 LR_X = {"displacement": 3.0, "weights": 1.0, "inversion": {"cil": 0.003, "dil": 0.3}, "adam": 0.01}
+# The lambdas' step size, by optimiser: SGD's 0.1 is the MLP's; under Adam each lambda moves
+# about lr_lambda a step, and 0.01 is a hundredth of their U(0, 1) start (docs/networks.md).
+LR_LAMBDA = {"sgd": 0.1, "adam": 0.01}
 
 # Per network, what its runs change from the MLP's settings above: (the method alone,
 # +ReCL), each a dict of Config fields, a value per scenario where it is a dict. The paper
@@ -110,7 +113,8 @@ NETWORKS = {
     # departure 6; Finetune+ReCL, validation ACC over 2 seeds: CIL 31.0 -> 36.0, DIL 75.25 -> 79.5
     "cnn": ({}, {"rec_optimizer": "adam"}),
     "alexnet": ({}, {}),
-    "resnet18": ({}, {}),
+    # departure 6 at a tenth of Adam's step: at 0.01 the fit climbs; the lambdas' SGD step overflowed
+    "resnet18": ({}, {"rec_optimizer": "adam", "lr_x": 1e-3}),
 }
 # `--paper`: the paper as written. Every departure off, and the method's own training budget.
 PAPER = {"rec_target": "weights", "freeze_old": False, "filter": False, "replay_noise": 0.0, "ce_weight": 0.0,
@@ -234,11 +238,14 @@ def resolve(args, seed, variant):
         rec.update({k: chosen[k] for k in rec if k in chosen})
         rec.update({k: v for k, v in PAPER.items() if k in rec} if paper else {}, paper=paper)
         rec.update({k: given[k] for k in rec if k in given})
+        if rec["lr_lambda"] is None:
+            rec["lr_lambda"] = LR_LAMBDA[rec["rec_optimizer"]]
         if variant == "inversion":
             rec.update({k: None for k in NOT_FOR_INVERSION})
         default_lr_x = (LR_X["adam"] if rec["rec_optimizer"] == "adam" else LR_X["inversion"][args.scenario]
                         if variant == "inversion" else LR_X[rec["rec_target"]])
-        rec["lr_x"] = given.get("lr_x", default_lr_x)
+        own = chosen.get("lr_x") if chosen.get("rec_optimizer") == rec["rec_optimizer"] else None
+        rec["lr_x"] = given.get("lr_x", own or default_lr_x)  # a network's lr_x goes with its optimiser
         rec["rec_precision"] = reconstruction_precision(rec["rec_precision"], torch.device(device))
         if rec["tuning"] != "naive" and rec["trials"] is None:
             rec["trials"] = 10
@@ -369,7 +376,7 @@ def make_parser(prog="recl.py", description=DESCRIPTION):
     g.add_argument("--lr-x", type=float, help="step size for the candidates (default: 3 for the displacement "
                    "target, 1 for the weights, 0.003 (CIL) and 0.3 (DIL) for inversion; with Adam 0.01, "
                    "the CNN's default)")
-    g.add_argument("--lr-lambda", type=float, help="step size for the coefficients lambda_i (default: 0.1)")
+    g.add_argument("--lr-lambda", type=float, help="step size for the coefficients lambda_i (default: 0.1; with Adam 0.01)")
     g.add_argument("--lambda-min", type=float, help="Eq. 4 pushes each lambda_i above this (default: 0.05)")
     g.add_argument("--alpha", type=float, help="sharpness of the smooth ReLU backward (default: 100)")
     g.add_argument("--rec-target", choices=["weights", "displacement"],
@@ -383,8 +390,8 @@ def make_parser(prog="recl.py", description=DESCRIPTION):
     g.add_argument("--ce-weight", type=float, help="weight of inversion's cross-entropy added to Eq. 6 "
                    "(default: 0.0003 in CIL, 0 in DIL)")
     g.add_argument("--rec-optimizer", choices=["sgd", "adam"],
-                   help="the candidates' optimiser: SGD with momentum, as the paper, or Adam, as image inversion on "
-                        "conv nets (default: sgd; NETWORKS may choose)")
+                   help="the optimiser of the candidates and lambdas: SGD with momentum, as the paper, or Adam, "
+                        "as image inversion on conv nets (default: sgd; NETWORKS may choose)")
     g.add_argument("--bn-weight", type=float, help="weight of the batch-norm prior: the candidates' batch statistics "
                    "against each layer's running ones, for networks with batch norm (default: 0)")
     g.add_argument("--paper", action="store_true", default=None,

@@ -504,16 +504,37 @@ def test_a_batch_norm_network_reconstruction_never_ends_above_its_start(optimize
         assert reports[1e-2]["kept_loss"] < 0.99 * reports[1e-2]["first_loss"] and not reports[1e-2]["failed"]
 
 
-def test_adam_moves_each_candidate_pixel_by_about_its_step_size():
+def test_adam_moves_each_candidate_pixel_and_lambda_by_about_its_step_size():
     model, labels = small_batch_norm_net().eval(), torch.tensor([0, 1, 2])
     models.remember_start(model)
-    cfg = run_config(rec_optimizer="adam", lr_x=0.05, n_rec=1, m=1, sigma_x=1e-3, rec_target="weights")
+    cfg = run_config(rec_optimizer="adam", lr_x=0.05, lr_lambda=0.02, n_rec=1, m=1, sigma_x=1e-3,
+                     rec_target="weights")
     start = recl.initial_candidates(3, (1, 8, 8), cfg.sigma_x, cfg.seed)
-    x, _, _ = recl.reconstruct(model, labels, (1, 8, 8), cfg, lambda *a: None, recl.objective_of(model),
-                               (start[0].clone(), start[1].clone()))
+    x, lam, _ = recl.reconstruct(model, labels, (1, 8, 8), cfg, lambda *a: None, recl.objective_of(model),
+                                 (start[0].clone(), start[1].clone()))
     moved = (x - start[0]).abs()
     assert (moved > 0).float().mean() > 0.9  # the step was kept, and moved nearly every pixel
     assert torch.allclose(moved[moved > 0], torch.tensor(0.05), rtol=1e-3)  # Adam's first step: lr * sign
+    assert torch.allclose((lam - start[1]).abs(), torch.tensor(0.02), rtol=1e-3)  # the lambdas' too
+
+
+def test_adam_fits_where_the_lambdas_sgd_step_overflows():
+    """ResNet18's divergence in miniature (docs/networks.md): with tiny running variances the
+    margins' gradients are huge, and so is the gradient of L_rec in each lambda. SGD's step
+    follows it and overflows in a few steps; Adam moves each lambda by about lr_lambda."""
+    model, labels = small_batch_norm_net(), torch.tensor([0, 1, 2]).repeat(4)
+    models.remember_start(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+        for layer in model.modules():
+            if isinstance(layer, nn.BatchNorm2d):
+                layer.running_var.mul_(1e-4)
+    model.eval()
+    _, _, sgd = step1(model, labels, (1, 8, 8), run_config(rec_optimizer="sgd", lr_x=1e-6, lr_lambda=0.1, n_rec=20, m=4))
+    assert sgd["failed"].startswith("diverged at step") and sgd["kept_loss"] == sgd["first_loss"]
+    _, _, adam = step1(model, labels, (1, 8, 8), run_config(rec_optimizer="adam", lr_x=1e-3, lr_lambda=0.1, n_rec=20, m=4))
+    assert not adam["failed"] and adam["kept_loss"] < 0.01 * adam["first_loss"]
 
 
 def test_ce_over_new_classes_leaves_the_old_heads_to_replay():
@@ -1331,7 +1352,7 @@ def test_help_gives_every_flag_a_meaning_and_the_presets_defaults():
                   f"(default: {rec['replay_noise']:g}, 0 for GPM)", f"{rec['ce_weight']['cil']:g} in CIL",
                   f"{config.LR_X['displacement']:g} for the displacement target",
                   f"{config.LR_X['weights']:g} for the weights", f"{config.LR_X['inversion']['cil']:g} (CIL)",
-                  f"{config.LR_X['inversion']['dil']:g} (DIL)", f"(default: {rec['lr_lambda']:g})",
+                  f"{config.LR_X['inversion']['dil']:g} (DIL)", f"(default: {config.LR_LAMBDA['sgd']:g}; with Adam {config.LR_LAMBDA['adam']:g})",
                   f"(default: {rec['lambda_min']:g})", f"(default: {rec['alpha']:g})"]:
         assert shown in text, shown
     assert config.PRESETS["cil"]["gpm"][1]["replay_noise"] == 0.0  # "0 for GPM" is true in both scenarios
@@ -1350,7 +1371,7 @@ def test_each_run_header_names_every_setting_it_resolved_to():
     alone, changes = config.PRESETS["cil"]["ewc"]
     for shown in ["ewc+recl | cil | mnist (validation split) | cnn | seed 3 |", "100 per class, 2 per task",
                   f"lr {changes['lr']:g}, {alone['epochs']} epochs, batch 64, ewc_lambda {changes['ewc_lambda']:g}",
-                  f"m 100, n_rec 100, sigma_x 0.001, lr_x {config.LR_X['adam']:g}, lr_lambda 0.1, lambda_min 0.05, "
+                  f"m 100, n_rec 100, sigma_x 0.001, lr_x {config.LR_X['adam']:g}, lr_lambda {config.LR_LAMBDA['adam']:g}, lambda_min 0.05, "
                   "alpha 100", "rec_optimizer adam", "rec_target displacement", f"replay_noise {config.RECONSTRUCTION['replay_noise']:g}",
                   f"config {config.digest(cfg)}"]:
         assert shown in header, shown
@@ -1374,6 +1395,10 @@ def test_each_network_runs_its_own_settings_unless_a_flag_or_the_paper_says_othe
     paper = resolved("--model", "cnn", "--paper")
     assert (paper.rec_optimizer, paper.lr_x, paper.ce_scope) == ("sgd", config.LR_X["weights"], "all")
     assert resolved("--model", "cnn", "--rec-optimizer", "adam").lr_x == cnn.lr_x  # the network's optimiser, given
+    resnet = resolved("--model", "resnet18", "--scenario", "dil")  # its own step size, with its optimiser only
+    assert (resnet.rec_optimizer, resnet.lr_x, resnet.lr_lambda) == ("adam", 1e-3, config.LR_LAMBDA["adam"])
+    assert resolved("--model", "resnet18", "--rec-optimizer", "sgd").lr_x == config.LR_X["displacement"]
+    assert (sgd.lr_lambda, paper.lr_lambda) == (config.LR_LAMBDA["sgd"],) * 2
 
 
 def test_a_networks_settings_sit_between_the_methods_and_the_flags(monkeypatch):
