@@ -5,6 +5,9 @@ class, Finetune+ReCL's training budget), then Step 1 runs 15 steps with 10 candi
 class from the same start at each setting. Prints each report. About 10 minutes on one CPU core.
 
     PYTHONPATH=. python docs/runs/networks/probe_resnet18.py
+
+Run at commit 2fa0308, where --rec-optimizer adam stepped only the candidates with Adam; from
+4b5e4bd on it steps the lambdas with Adam too (probe_lambdas.py), so today's code gives other rows.
 """
 import dataclasses
 
