@@ -138,7 +138,7 @@ def reconstruct(model, labels, input_shape, cfg, log=print, objective=paper_obje
     """Step 1 of ReCL (Sec. 4.1): recover look-alikes of old training data from `model` alone.
 
     Random candidates and lambdas (or `start`), two full-batch SGD optimisers with
-    momentum 0.9 (Adam for the candidates with departure 6), n_rec steps on L_full.
+    momentum 0.9 (Adam with departure 6), n_rec steps on L_full.
     `objective(net, params, labels, cfg)` gives L_full; the departures below pass
     their own. Returns the candidates and lambdas with the lowest loss seen, the
     last step's included, and a report.
@@ -211,10 +211,11 @@ def reconstruction_report(losses, best, first_terms):
 # 4. `--replay-noise`: reconstructions enter each batch with fresh noise (part
 #    3), so the network files a neighbourhood, not a prototype, under the old class.
 # 5. `--ce-weight` (CIL): a little model inversion added to Eq. 6.
-# 6. `--rec-optimizer adam`: Adam for the candidates, the optimiser of image
-#    inversion on conv nets (DeepInversion): each pixel moves about lr_x per
-#    step whatever the loss's scale, where SGD's step follows the gradient's
-#    size, which on deep nets spans orders of magnitude and overflows.
+# 6. `--rec-optimizer adam`: Adam for the candidates and the lambdas, the
+#    optimiser of image inversion on conv nets (DeepInversion): each pixel and
+#    lambda moves about its step size per step whatever the loss's scale, where
+#    SGD's step follows the gradient's size, which on deep nets spans orders of
+#    magnitude: on ResNet18 the lambdas' SGD step overflowed within 13 steps.
 # 7. `--bn-weight` (ResNet18): DeepInversion's prior, for both objectives: at
 #    each batch-norm layer, the candidates' statistics equal to its running ones.
 # 8. `--ce-scope new` (CIL, part 3): the task's own images score only its new
