@@ -98,7 +98,7 @@ RECONSTRUCTION = {
 # The candidates' step size depends on what their loss is: the displacement
 # target's relative L_rec, Eq. 3 on the weights, or inversion's summed cross-entropy.
 # Adam (departure 6) moves each pixel by about lr_x a step, whatever the loss's scale:
-# one value for every objective (validated for Eq. 3 only).
+# one value for every objective (validated for Eq. 3 only); ResNet18 takes a tenth (NETWORKS).
 LR_X = {"displacement": 3.0, "weights": 1.0, "inversion": {"cil": 0.003, "dil": 0.3}, "adam": 0.01}
 # The lambdas' step size, by optimiser: SGD's 0.1 is the MLP's; under Adam each lambda moves
 # about lr_lambda a step, and 0.01 is a hundredth of their U(0, 1) start (docs/networks.md).
@@ -377,7 +377,7 @@ def make_parser(prog="recl.py", description=DESCRIPTION):
                    help="Eq. 3-6, or plain model inversion, the control (default: stationarity)")
     g.add_argument("--lr-x", type=float, help="step size for the candidates (default: 3 for the displacement "
                    "target, 1 for the weights, 0.003 (CIL) and 0.3 (DIL) for inversion; with Adam 0.01, "
-                   "the CNN's default)")
+                   "the CNN's default, and 0.001 for ResNet18)")
     g.add_argument("--lr-lambda", type=float, help="step size for the coefficients lambda_i (default: 0.1; with Adam 0.01)")
     g.add_argument("--lambda-min", type=float, help="Eq. 4 pushes each lambda_i above this (default: 0.05)")
     g.add_argument("--alpha", type=float, help="sharpness of the smooth ReLU backward (default: 100)")

@@ -150,10 +150,10 @@ def reconstruct(model, labels, input_shape, cfg, log=print, objective=paper_obje
     x, lam = x.to(device).requires_grad_(), lam.to(device).requires_grad_()
     L_full = objective(net, params, labels.to(device), cfg)
     if cfg.rec_optimizer == "adam":  # departure 6, for the conv nets (betas of DeepInversion)
-        step = lambda v, lr: torch.optim.Adam([v], lr=lr, betas=(0.5, 0.9))
+        optimizer = lambda v, lr: torch.optim.Adam([v], lr=lr, betas=(0.5, 0.9))
     else:
-        step = lambda v, lr: torch.optim.SGD([v], lr=lr, momentum=0.9)
-    opt_x, opt_lam = step(x, cfg.lr_x), step(lam, cfg.lr_lambda or 0.0)  # the inversion control has no lambdas
+        optimizer = lambda v, lr: torch.optim.SGD([v], lr=lr, momentum=0.9)
+    opt_x, opt_lam = optimizer(x, cfg.lr_x), optimizer(lam, cfg.lr_lambda or 0.0)  # inversion has no lambdas
     losses, best = [], None
     for step in range(cfg.n_rec + 1):  # the extra pass only scores the last step's candidates
         with torch.set_grad_enabled(step < cfg.n_rec):
