@@ -111,7 +111,7 @@ LR_LAMBDA = {"sgd": 0.1, "adam": 0.01}
 NETWORKS = {
     "mlp": ({}, {}),
     # departure 6; Finetune+ReCL, validation ACC over 2 seeds with Adam for the candidates only:
-    # CIL 31.0 -> 36.0, DIL 75.25 -> 79.5; the lambdas too: CIL 42.75 (2 seeds), DIL 71.0 (seed 0: 70.5)
+    # CIL 31.0 -> 36.0, DIL 75.25 -> 79.5; the lambdas too: CIL 42.75, DIL 75.5 (level with SGD)
     "cnn": ({}, {"rec_optimizer": "adam"}),
     "alexnet": ({}, {}),
     # departure 6 at a tenth of Adam's lr_x: with SGD the lambdas' step overflowed; at lr_x 0.01
