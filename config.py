@@ -206,15 +206,19 @@ def result_path(out, cfg):
     return Path(out) / f"{run_name(cfg)}-{digest(cfg)}-seed{cfg.seed}.json"
 
 
+def in_scenario(table, scenario):
+    """A table's values for `scenario`: a value given per scenario is a dict of them."""
+    return {k: (v[scenario] if isinstance(v, dict) else v) for k, v in table.items()}
+
+
 def preset(scenario, method, variant, model="mlp"):
     """What a run starts from before RECONSTRUCTION and the flags, lowest first: the defaults,
     the method alone (PRESETS, then the network's NETWORKS column), then, for a +ReCL variant,
-    what it changes (PRESETS, then NETWORKS). A value given per scenario is taken for `scenario`."""
-    in_scenario = lambda table: {k: (v[scenario] if isinstance(v, dict) else v) for k, v in table.items()}
+    what it changes (PRESETS, then NETWORKS)."""
     alone, recl_changes = PRESETS.get(scenario, {}).get(method, ({}, {}))
     net_alone, net_recl = NETWORKS[model]
-    chosen = {**DEFAULT_TRAINING, **strategies.defaults(method), **alone, **in_scenario(net_alone)}
-    return {**chosen, **(recl_changes or {}), **in_scenario(net_recl)} if variant != "base" else chosen
+    chosen = {**DEFAULT_TRAINING, **strategies.defaults(method), **alone, **in_scenario(net_alone, scenario)}
+    return {**chosen, **(recl_changes or {}), **in_scenario(net_recl, scenario)} if variant != "base" else chosen
 
 
 def resolve(args, seed, variant):
@@ -235,8 +239,7 @@ def resolve(args, seed, variant):
               "ce_scope": given.get("ce_scope", PAPER["ce_scope"] if paper else chosen.get("ce_scope", "all")),
               "hp": {**{k: chosen[k] for k in strategies.defaults(args.method)}, **dict(args.hp)}}
     if variant != "base":
-        rec = {k: (v[args.scenario] if isinstance(v, dict) else v) for k, v in RECONSTRUCTION.items()}
-        rec["m"] = args.n_per_class or 100
+        rec = {**in_scenario(RECONSTRUCTION, args.scenario), "m": args.n_per_class or 100}
         rec.update({k: chosen[k] for k in rec if k in chosen})
         rec.update({k: v for k, v in PAPER.items() if k in rec} if paper else {}, paper=paper)
         rec.update({k: given[k] for k in rec if k in given})

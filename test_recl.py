@@ -47,7 +47,8 @@ def in_background(prepare):
     and returns what to run in the background; the test's `started` is (what that returned,
     folder)."""
     def mark(test):
-        assert "started" in test.__code__.co_varnames[:test.__code__.co_argcount], f"{test.__name__} must take `started`"
+        arguments = test.__code__.co_varnames[:test.__code__.co_argcount]
+        assert "started" in arguments, f"{test.__name__} must take `started`"
         BACKGROUND[test.__name__] = prepare
         return test
     return mark
