@@ -114,7 +114,6 @@ class ResNet18(nn.Module):
 
 MODELS = ["mlp", "cnn", "alexnet", "resnet18"]
 SMALLEST_SIDE = {"cnn": 7, "alexnet": 8, "resnet18": 1}
-WITH_BATCH_NORM = ["resnet18"]
 
 
 def build_model(name, input_shape, n_classes):

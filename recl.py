@@ -195,10 +195,10 @@ def reconstruction_report(losses, best, first_terms):
 # -----------------------------------------------------------------------------
 # Departures from the paper, and a control
 # -----------------------------------------------------------------------------
-# Eight departures, each behind a flag (`--paper` turns them all off;
+# Nine departures, each behind a flag (`--paper` turns them all off;
 # docs/departures.md has why and the numbers). 1-5 are every run's defaults,
 # chosen on validation data; 6-8 were added for the conv nets: 6 is the CNN's
-# default (config.NETWORKS), 7 and 8 are off unless asked for (docs/networks.md):
+# default (config.NETWORKS), 7-9 are off unless asked for (docs/networks.md):
 #
 # 1. `--rec-target displacement`: L_rec fits theta - theta_0, what training
 #    added to the weights, relative to its size. Eq. 3 holds in the limit of
@@ -216,16 +216,25 @@ def reconstruction_report(losses, best, first_terms):
 #    lambda moves about its step size per step whatever the loss's scale, where
 #    SGD's step follows the gradient's size, which on deep nets spans orders of
 #    magnitude: on ResNet18 the lambdas' SGD step overflowed within 13 steps.
-# 7. `--bn-weight` (ResNet18): DeepInversion's prior, for both objectives: at
-#    each batch-norm layer, the candidates' statistics equal to its running ones.
+# 7. `--stats-weight` (conv nets): DeepInversion's batch-norm prior, for both
+#    objectives, at every convolution's output: the candidates' per-channel mean
+#    and variance against those of the last task's own images, recorded when it
+#    ended (Lopes et al.'s "metadata"; a few numbers per channel, no images).
+#    For a layer followed by batch norm they are what its running statistics
+#    estimate; for the CNN and AlexNet, which have none, they stand in for them.
 # 8. `--ce-scope new` (CIL, part 3): the task's own images score only its new
 #    classes, so they never push the old classes' logits down; the replayed
 #    reconstructions alone keep old and new apart (Always Be Dreaming's local CE).
+# 9. `--replay-batch N` (part 3): each step adds N reconstructions, drawn at
+#    random, to a batch of the task's own images, as data-free replay methods do
+#    (Always Be Dreaming, R-DFCIL). The paper joins every reconstruction to the
+#    task's data, so by the last task most of each batch is replay and an
+#    epoch costs more with every task; here both stay fixed.
 #
 # The control, `--rec-objective inversion` (the +inversion variant): is it
 # Eq. 3 that makes the candidates useful, or would any optimisation that makes
 # the model recognise them as their labels do? Model inversion (Simonyan et
-# al. 2014; DeepInversion, Yin et al. 2020, its batch-norm term only with
+# al. 2014; DeepInversion, Yin et al. 2020, its statistics term only with
 # departure 7) asks only the second: L_inv = sum_i CE(f(x_i), y_i) + L_prior, over the same
 # candidates, labels, optimiser, steps, filter and replay; no lambdas, no
 # stationarity condition, one backward pass per step instead of a double one.
@@ -272,37 +281,63 @@ def inversion_losses(model, params, x, y):
     return {"ce": F.cross_entropy(logits, y, reduction="sum"), "prior": image_prior(x)}
 
 
-def batch_norm_statistics(net, params, x):
-    """Departure 7, DeepInversion's prior: over all batch-norm layers, the distance of the
-    candidates' per-channel mean and variance at that layer from its running statistics,
-    which summarise the data it was trained on. Zero when the candidates match them."""
-    distances = []
+def feature_statistics(net, params, x, chunk=None):
+    """Departure 7: per channel, the mean and variance of every convolution's output for
+    images `x`, as [(mean, variance), ...] in layer order. Where batch norm sits, this is
+    what its running statistics estimate. `chunk`: add them up that many images at a time,
+    without gradients (to record a task's statistics); None: one differentiable pass."""
+    sums = []
 
-    def compare(layer, inputs, output):
-        a = inputs[0].float().transpose(0, 1).flatten(1)  # channels x (candidates * positions)
-        distances.append((a.mean(1) - layer.running_mean).norm() + (a.var(1) - layer.running_var).norm())
-    hooks = [layer.register_forward_hook(compare) for layer in net.modules()
-             if isinstance(layer, torch.nn.BatchNorm2d)]
+    def add(layer, inputs, output):
+        a = output.float().transpose(0, 1).flatten(1)  # channels x (images * positions)
+        sums.append((a.sum(1), a.pow(2).sum(1), a.shape[1]))
+    hooks = [layer.register_forward_hook(add) for layer in net.modules() if isinstance(layer, torch.nn.Conv2d)]
     try:
-        functional_call(net, params, (x,))
+        with torch.set_grad_enabled(chunk is None and torch.is_grad_enabled()):
+            for part in x.split(chunk or len(x)):
+                functional_call(net, params, (part,))
     finally:
         for hook in hooks:
             hook.remove()
-    return sum(distances)
+    n_layers, stats = len(hooks), []
+    for i in range(n_layers):  # one entry per layer and chunk, in order: add the chunks up
+        per_chunk = sums[i::n_layers]
+        n = sum(c[2] for c in per_chunk)
+        mean = sum(c[0] for c in per_chunk) / n
+        stats.append((mean, (sum(c[1] for c in per_chunk) / n - mean.pow(2)).clamp_min(0)))
+    return stats
 
 
-def with_batch_norm_prior(loss, net, params, cfg, kept=None):
-    """Departure 7: the batch-norm prior added to an objective's terms, if its weight asks.
-    The statistics are those of all candidates, the `kept` ones of departure 2 included."""
-    if not cfg.bn_weight:
+def mixed_statistics(per_task):
+    """The statistics of several equally large tasks' images taken together."""
+    mean = sum(m for m, _ in per_task) / len(per_task)
+    second = sum(v + m.pow(2) for m, v in per_task) / len(per_task)
+    return mean, second - mean.pow(2)
+
+
+def statistics_prior(stats, target, eps=1e-8):
+    """Departure 7's term: the mean over layers and channels of KL(N(mean, var) || N(target)),
+    the candidates' channel statistics against the recorded ones. Zero when they match; in
+    units of each channel's own spread, so one weight means the same on every network."""
+    terms = []
+    for (m, v), (mu, s2) in zip(stats, target):
+        ratio = (v + eps) / (s2 + eps)
+        terms.append(0.5 * (ratio + (m - mu).pow(2) / (s2 + eps) - 1 - ratio.log()).mean())
+    return sum(terms) / len(terms)
+
+
+def with_statistics_prior(loss, net, params, cfg, target):
+    """Departure 7: the feature-statistics prior added to an objective's terms, if its weight asks."""
+    if not cfg.stats_weight:
         return loss
-    every = (lambda x: x) if kept is None else (lambda x: torch.cat([kept, x]))
-    return lambda x, lam: {**loss(x, lam), "bn": cfg.bn_weight * batch_norm_statistics(net, params, every(x))}
+    return lambda x, lam: {**loss(x, lam),
+                           "stats": cfg.stats_weight * statistics_prior(feature_statistics(net, params, x), target)}
 
 
-def objective_of(model, fixed=None, m=None):
+def objective_of(model, fixed=None, m=None, statistics=None):
     """L_full with the departures its `cfg` has on, or the control's L_inv, as `reconstruct`
-    takes it. `fixed` = (x, labels, lambdas) of the candidates departure 2 keeps, m the count of all."""
+    takes it. `fixed` = (x, labels, lambdas) of the candidates departure 2 keeps, m the count of all,
+    `statistics` the target of departure 7 for the candidates optimised."""
     def objective(net, params, labels, cfg):
         if cfg.variant == "inversion":
             loss = lambda x, lam: inversion_losses(net, params, x, labels)
@@ -315,7 +350,7 @@ def objective_of(model, fixed=None, m=None):
             weight = cfg.ce_weight  # departure 5
             loss = eq6 if not weight else lambda x, lam: {
                 **eq6(x, lam), "ce": weight * inversion_losses(net, params, x, labels)["ce"]}
-        loss = with_batch_norm_prior(loss, net, params, cfg, None if fixed is None else fixed[0])
+        loss = with_statistics_prior(loss, net, params, cfg, statistics)
         device_type = next(iter(params.values())).device.type
 
         def in_precision(x, lam):
@@ -325,10 +360,12 @@ def objective_of(model, fixed=None, m=None):
     return objective
 
 
-def reconstruct_old_data(model, old_tasks, cfg, log=print, earlier=None):
+def reconstruct_old_data(model, old_tasks, cfg, log=print, earlier=None, recorded=None):
     """Step 1 as this run makes it: labels for the candidates, then `reconstruct` with the
     run's departures. With `earlier` = (x, labels, lambdas) from before the previous task,
-    the classes it covers keep those candidates, fixed (departure 2)."""
+    the classes it covers keep those candidates, fixed (departure 2). `recorded`: each old
+    task's feature statistics, for departure 7; it matches the candidates it optimises to
+    those of the tasks they stand for: the last one when departure 2 keeps the rest."""
     device = next(model.parameters()).device
     input_shape = old_tasks[0].x_train.shape[1:]
     labels = candidate_labels(model.head.out_features, cfg.m, len(old_tasks), cfg.scenario).to(device)
@@ -336,7 +373,10 @@ def reconstruct_old_data(model, old_tasks, cfg, log=print, earlier=None):
     fixed = torch.zeros(len(x), dtype=torch.bool, device=device)
     if earlier is not None:
         x, lam, fixed = keep_earlier(x, lam, labels, *earlier)
-    objective = objective_of(model, (x[fixed], labels[fixed], lam[fixed]) if fixed.any() else None, len(x))
+    target = None
+    if cfg.stats_weight:
+        target = recorded[-1] if earlier is not None else [mixed_statistics(layer) for layer in zip(*recorded)]
+    objective = objective_of(model, (x[fixed], labels[fixed], lam[fixed]) if fixed.any() else None, len(x), target)
     x[~fixed], lam[~fixed], report = reconstruct(model, labels[~fixed], input_shape, cfg, log, objective,
                                                  (x[~fixed], lam[~fixed]))
     return x, labels, lam, {"candidates": len(x), "optimised": int((~fixed).sum()), **report}
@@ -379,6 +419,9 @@ def train_task(model, x, y, hooks, state, cfg, n_replayed=0, n_old_classes=0):
     cfg.replay_noise times the pixel std of the task's own images (departure 4
     in part 1). Noise drawn once and kept does not help (docs/departures.md):
     it is a new draw each time that covers the neighbourhood.
+    With cfg.replay_batch > 0 (departure 9), an epoch passes over the task's own
+    images and each batch of them gets that many reconstructions drawn at random;
+    otherwise the reconstructions are shuffled in with the task's images.
     With cfg.ce_scope "new" (departure 8), the task's own images are scored over
     the classes after the first `n_old_classes` only.
     """
@@ -388,11 +431,23 @@ def train_task(model, x, y, hooks, state, cfg, n_replayed=0, n_old_classes=0):
     # a Python float, so the batch loop never waits on the device to compare it
     noise_std = (cfg.replay_noise * x[:first_replayed].std()).item() if n_replayed else 0.0
     noise_gen = torch.Generator(device=x.device).manual_seed(cfg.seed)
-    batches = data.loader(torch.arange(len(x), device=x.device), y, cfg.batch_size, seed=cfg.seed)  # row numbers
+    replay_gen = torch.Generator(device=x.device).manual_seed(cfg.seed + 1)
+    mixed = bool(cfg.replay_batch and n_replayed)  # departure 9
+    epoch_rows = first_replayed if mixed else len(x)
+    batches = data.loader(torch.arange(epoch_rows, device=x.device), y[:epoch_rows], cfg.batch_size, seed=cfg.seed)
+
+    def steps():
+        """The row numbers of each batch of one epoch."""
+        for rows, _ in batches:
+            if mixed:
+                drawn = torch.randint(n_replayed, (cfg.replay_batch,), generator=replay_gen, device=x.device)
+                rows = torch.cat([rows, first_replayed + drawn])
+            yield rows
+
     for epoch in range(cfg.epochs):
-        total = 0.0
-        for rows, yb in batches:
-            xb = x[rows]
+        total, seen = 0.0, 0
+        for rows in steps():
+            xb, yb = x[rows], y[rows]
             if noise_std > 0:
                 replayed = (rows >= first_replayed).view(-1, *[1] * (x.dim() - 1))
                 xb = xb + replayed * noise_std * torch.randn(xb.shape, generator=noise_gen, device=x.device)
@@ -412,14 +467,14 @@ def train_task(model, x, y, hooks, state, cfg, n_replayed=0, n_old_classes=0):
             value = loss.item()
             if not math.isfinite(value):  # nothing useful can follow: stop here and say where
                 raise Diverged(f"training loss {value} in epoch {epoch + 1}")
-            total += value * len(xb)
+            total, seen = total + value * len(xb), seen + len(xb)
     # Batch norm (ResNet18) evaluates with running statistics, which start at mean 0,
     # variance 1 and move a little each step: a task's few dozen steps leave much of that
     # start in them, and a net that fits its task can score chance. So re-estimate
     # them on the task's data with the final weights (docs/running.md, "Other models").
     # Networks without batch norm skip this.
-    torch.optim.swa_utils.update_bn(((x[rows],) for rows, _ in batches), model)
-    return total / len(x)  # mean loss of the last epoch
+    torch.optim.swa_utils.update_bn(((x[rows],) for rows in steps()), model)
+    return total / max(seen, 1)  # mean loss of the last epoch
 
 
 def run_continual(cfg, tasks, log=print, judge=None, mean_image=None):
@@ -439,13 +494,13 @@ def run_continual(cfg, tasks, log=print, judge=None, mean_image=None):
         lambda *args: search_reconstruction(*args, mean_image=mean_image))
     name = config.variant_name(cfg.method, cfg.variant)
     R = [[None] * len(tasks) for _ in tasks]
-    reconstructions, recon_quality, earlier, diverged = [], [], None, None
+    reconstructions, recon_quality, earlier, recorded, diverged = [], [], None, [], None
     for t, task in enumerate(tasks):
         x, y = task.x_train, task.y_train
         if cfg.variant != "base" and t > 0:
             # Step 1: reconstruct old data from the model as it is after task t-1.
             start = time.time()
-            x_rec, y_rec, lam_rec, report = step1(model, tasks[:t], cfg, log, earlier)
+            x_rec, y_rec, lam_rec, report = step1(model, tasks[:t], cfg, log, earlier, recorded)
             log(f"    reconstruction took {time.time() - start:.1f}s")
             if cfg.freeze_old:
                 earlier = (x_rec, y_rec, lam_rec)  # kept whole: the filter below judges them again each time
@@ -474,6 +529,9 @@ def run_continual(cfg, tasks, log=print, judge=None, mean_image=None):
         model.eval()  # strategies look at the trained model (fixed batch-norm statistics, no dropout)
         if "after_task" in hooks:
             hooks["after_task"](model, data.loader(task.x_train, task.y_train, cfg.batch_size, shuffle=False), state)
+        if cfg.variant != "base" and cfg.stats_weight:  # departure 7: what the task's images look like inside
+            with torch.no_grad():
+                recorded.append(feature_statistics(model, dict(model.named_parameters()), task.x_train, chunk=500))
         R[t][:t + 1] = [accuracy(model, old.x_test, old.y_test) for old in tasks[:t + 1]]
         log(f"  [{name}] task {t + 1}/{len(tasks)} classes {task.classes}: loss {loss:.3f}, "
             f"acc {' '.join(f'{a:.1f}' for a in R[t][:t + 1])}")
@@ -560,7 +618,7 @@ def reference_buffer(old_tasks, fraction, seed):
     return torch.cat(picks)
 
 
-def search_reconstruction(model, old_tasks, cfg, log=print, earlier=None, mean_image=None):
+def search_reconstruction(model, old_tasks, cfg, log=print, earlier=None, recorded=None, mean_image=None):
     """Step 1 with a search: `cfg.trials` reconstructions, trial 1 at the run's own values,
     the others drawn around them (only those that apply to its objective). Returns the one
     the score rates highest; its report names the values used."""
@@ -576,7 +634,8 @@ def search_reconstruction(model, old_tasks, cfg, log=print, earlier=None, mean_i
     candidates = [own] + [sample_hyperparameters(gen, own) for _ in range(cfg.trials - 1)]
 
     def evaluate(hp):
-        x, y, lam, report = reconstruct_old_data(model, old_tasks, dataclasses.replace(cfg, **hp), log, earlier)
+        x, y, lam, report = reconstruct_old_data(model, old_tasks, dataclasses.replace(cfg, **hp), log, earlier,
+                                                  recorded)
         # a draw whose kept candidates are no better than its start loses; one that overshot
         # after improving competes with what it kept (it is still flagged in the run)
         useless = not math.isfinite(report["kept_loss"]) or report["kept_loss"] >= report["first_loss"]
