@@ -146,7 +146,7 @@ class Config:
     lr: float = 0.05
     epochs: int = 20
     batch_size: int = 64
-    ce_scope: str = "all"                  # departure 8: "new", the task's own images score only its new classes
+    ce_scope: str = "all"                  # departure 8: "new" or "local" (recl.py part 1)
     hp: dict = dataclasses.field(default_factory=dict)  # the method's own hyperparameters
     # reconstruction (Step 1) and replay (Step 2)
     m: int | None = None
@@ -274,7 +274,7 @@ def describe(cfg):
     text = (f"{variant_name(cfg.method, cfg.variant)} | {cfg.scenario} | {cfg.dataset}{split} | {cfg.model} | "
             f"seed {cfg.seed} | {cfg.device} | {cfg.n_per_class or 'all'} per class, {cfg.classes_per_task} "
             f"per task | lr {cfg.lr:g}, {cfg.epochs} epochs, batch {cfg.batch_size}"
-            + (", CE over the new classes" if cfg.ce_scope == "new" else ""))
+            + {"all": "", "new": ", CE over the new classes", "local": ", local CE"}[cfg.ce_scope])
     text += "".join(f", {k} {v:g}" for k, v in cfg.hp.items())
     if cfg.variant != "base":
         shown = ["m", "n_rec", "sigma_x", "lr_x", "lr_lambda", "lambda_min", "alpha", "rec_target", "ce_weight",
@@ -368,9 +368,11 @@ def make_parser(prog="recl.py", description=DESCRIPTION):
                    help="training images per class, or 'all' (default: 100)")
     g.add_argument("--validation", action="store_true",
                    help="score on 20%% of each task's training images, held out, not on the test set")
-    g.add_argument("--ce-scope", choices=["all", "new"],
+    g.add_argument("--ce-scope", choices=["all", "new", "local"],
                    help="CIL: the cross-entropy of the task's own images over all classes, or over its new classes "
-                        "only, so that they never push down old classes (default: all; NETWORKS may choose)")
+                        "only, so that they never push down old classes, or local: also replayed rows over the old "
+                        "classes only, and old against new learned by the head alone (default: all; NETWORKS may "
+                        "choose)")
     p.add_argument("--hp", type=method_hyperparameter, action="append", default=[], metavar="KEY=VALUE",
                    help="a method hyperparameter, e.g. --hp ewc_lambda=1000 (default: PRESETS)")
     g = p.add_argument_group("reconstruction (the +ReCL variant only; defaults: config.RECONSTRUCTION)")

@@ -225,6 +225,10 @@ def reconstruction_report(losses, best, first_terms):
 # 8. `--ce-scope new` (CIL, part 3): the task's own images score only its new
 #    classes, so they never push the old classes' logits down; the replayed
 #    reconstructions alone keep old and new apart (Always Be Dreaming's local CE).
+#    `--ce-scope local`: the replayed rows score only the old classes too, and
+#    old against new is learned by the head alone, from both, with the features
+#    held fixed (Always Be Dreaming's split): the features then have no reason
+#    to tell reconstructions from real images, only classes from classes.
 # 9. `--replay-batch N` (part 3): each step adds N reconstructions, drawn at
 #    random, to a batch of the task's own images, as data-free replay methods do
 #    (Always Be Dreaming, R-DFCIL). The paper joins every reconstruction to the
@@ -411,6 +415,16 @@ class Diverged(Exception):
     """Training produced a non-finite loss; the run's numbers would be meaningless."""
 
 
+def with_head_input(model, x):
+    """The model's logits for x, and what its head took in: the features."""
+    seen = []
+    hook = model.head.register_forward_hook(lambda layer, inputs, out: seen.append(inputs[0]))
+    try:
+        return model(x), seen[0]
+    finally:
+        hook.remove()
+
+
 def train_task(model, x, y, hooks, state, cfg, n_replayed=0, n_old_classes=0):
     """Plain SGD on cross-entropy; the strategy's hooks add a loss term or edit gradients.
 
@@ -423,7 +437,9 @@ def train_task(model, x, y, hooks, state, cfg, n_replayed=0, n_old_classes=0):
     images and each batch of them gets that many reconstructions drawn at random;
     otherwise the reconstructions are shuffled in with the task's images.
     With cfg.ce_scope "new" (departure 8), the task's own images are scored over
-    the classes after the first `n_old_classes` only.
+    the classes after the first `n_old_classes` only; with "local", the replayed
+    rows over the old classes only too, and a second cross-entropy over all
+    classes trains the head alone, on features it cannot change.
     """
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
@@ -451,12 +467,16 @@ def train_task(model, x, y, hooks, state, cfg, n_replayed=0, n_old_classes=0):
             if noise_std > 0:
                 replayed = (rows >= first_replayed).view(-1, *[1] * (x.dim() - 1))
                 xb = xb + replayed * noise_std * torch.randn(xb.shape, generator=noise_gen, device=x.device)
-            logits = model(xb)
-            scored = logits
-            if cfg.ce_scope == "new" and n_old_classes:  # departure 8: real images leave old classes alone
+            logits, features = with_head_input(model, xb) if cfg.ce_scope == "local" else (model(xb), None)
+            loss = F.cross_entropy(logits, yb)
+            if cfg.ce_scope != "all" and n_old_classes:  # departure 8
                 old = torch.arange(logits.shape[1], device=x.device) < n_old_classes
-                scored = logits.masked_fill((rows < first_replayed)[:, None] & old, float("-inf"))
-            loss = F.cross_entropy(scored, yb)
+                own = (rows < first_replayed)[:, None]
+                if cfg.ce_scope == "new":  # the task's own images leave the old classes alone
+                    loss = F.cross_entropy(logits.masked_fill(own & old, float("-inf")), yb)
+                else:  # "local": each group among its own classes; old against new in the head only
+                    loss = (F.cross_entropy(logits.masked_fill(torch.where(own, old, ~old), float("-inf")), yb)
+                            + F.cross_entropy(model.head(features.detach()), yb))
             if "extra_loss" in hooks:
                 loss = loss + hooks["extra_loss"](model, xb, yb, logits, state)
             optimizer.zero_grad()

@@ -4,6 +4,7 @@ command line and the experiment machinery.
 
 Run with `python -m pytest -q`. Everything runs on tiny problems on the CPU.
 """
+import copy
 import dataclasses
 import gzip
 import json
@@ -650,6 +651,39 @@ def test_ce_over_new_classes_leaves_the_old_heads_to_replay():
     assert old_rows_after_training("new", 0) == 0
     assert old_rows_after_training("all", 0) > 0
     assert old_rows_after_training("new", 4) > 0
+
+
+def test_local_ce_scores_each_group_among_its_own_classes_and_old_against_new_in_the_head_only():
+    """Departure 8, local: the task's images over the new classes, the replayed rows over the
+    old ones, with every parameter's gradient; and a cross-entropy over all classes whose
+    gradient reaches the head alone. One full-batch SGD step of train_task, checked by hand."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.head = nn.Linear(4, 3), nn.Linear(3, 4, bias=False)
+
+        def forward(self, x):
+            return self.head(torch.relu(self.body(x)))
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(6, 4)
+    y = torch.tensor([2, 3, 2, 3, 0, 1])                   # four own rows, then two replayed
+    expected = copy.deepcopy(model)
+    features = torch.relu(expected.body(x))
+    old = torch.arange(4) < 2
+    own = (torch.arange(6) < 4)[:, None]
+    loss = (F.cross_entropy(expected.head(features).masked_fill(torch.where(own, old, ~old), float("-inf")), y)
+            + F.cross_entropy(expected.head(features.detach()), y))
+    loss.backward()
+    recl.train_task(model, x, y, {}, {}, run_config(ce_scope="local", epochs=1, batch_size=6, lr=0.5,
+                                                    replay_noise=0.0), n_replayed=2, n_old_classes=2)
+    for (name, p), q in zip(model.named_parameters(), expected.parameters()):
+        assert torch.allclose(p, q - 0.5 * q.grad, atol=1e-6), name
+    # the features never see old and new compared: without the head's term their gradient is the same
+    body_only = copy.deepcopy(expected)
+    body_only.zero_grad()
+    f = torch.relu(body_only.body(x))
+    F.cross_entropy(body_only.head(f).masked_fill(torch.where(own, old, ~old), float("-inf")), y).backward()
+    assert torch.allclose(body_only.body.weight.grad, expected.body.weight.grad)
 
 
 def test_the_loop_tells_training_which_classes_are_old(monkeypatch):
