@@ -1512,8 +1512,10 @@ def test_help_gives_every_flag_a_meaning_and_the_presets_defaults():
     text = " ".join(parser.format_help().split())
     for action in parser._actions:
         assert action.help, f"{action.option_strings} has no help"
-    rec = config.RECONSTRUCTION
-    for shown in [f"reconstruction steps before each task (default: {rec['n_rec']})",
+    rec, cnn = config.RECONSTRUCTION, config.NETWORKS["cnn"][1]
+    for shown in [f"reconstruction steps before each task (default: {rec['n_rec']}; {cnn['n_rec']} for the CNN)",
+                  f"or 100 with all; {cnn['m']} for the CNN", f"(default: 0; {cnn['replay_batch']} for the CNN)",
+                  f"{rec['ce_weight']['cil']:g} in CIL, {cnn['ce_weight']['cil']:g} for the CNN",
                   f"theta - theta_0 (default: {rec['rec_target']})", "first seed (default: 0)",
                   f"(default: {rec['sigma_x']:g})", "classifies as their label (default: on)",
                   f"(default: {rec['replay_noise']:g}, 0 for GPM)", f"{rec['ce_weight']['cil']:g} in CIL",
@@ -1537,10 +1539,10 @@ def test_each_run_header_names_every_setting_it_resolved_to():
     header = config.describe(cfg)
     alone, changes = config.PRESETS["cil"]["ewc"]
     for shown in ["ewc+recl | cil | mnist (validation split) | cnn | seed 3 |", "100 per class, 2 per task",
-                  f"lr {changes['lr']:g}, {alone['epochs']} epochs, batch 64, ewc_lambda {changes['ewc_lambda']:g}",
-                  f"m 100, n_rec 100, sigma_x 0.001, lr_x {config.LR_X['adam']:g}, lr_lambda {config.LR_LAMBDA['adam']:g}, lambda_min 0.05, "
+                  f"lr {changes['lr']:g}, {alone['epochs']} epochs, batch 64, local CE, ewc_lambda {changes['ewc_lambda']:g}",
+                  f"m 20, n_rec 30, sigma_x 0.001, lr_x {config.LR_X['adam']:g}, lr_lambda {config.LR_LAMBDA['adam']:g}, lambda_min 0.05, "
                   "alpha 100", "rec_optimizer adam", "rec_target displacement", f"replay_noise {config.RECONSTRUCTION['replay_noise']:g}",
-                  f"config {config.digest(cfg)}"]:
+                  "replay_batch 64", f"config {config.digest(cfg)}"]:
         assert shown in header, shown
     base = config.describe(resolved("--method", "ewc", variant="base"))
     assert f"lr {alone['lr']:g}," in base and "n_rec" not in base and "lr_x" not in base
