@@ -1568,6 +1568,10 @@ def test_each_network_runs_its_own_settings_unless_a_flag_or_the_paper_says_othe
     assert (resnet.rec_optimizer, resnet.lr_x, resnet.lr_lambda) == ("adam", 1e-3, config.LR_LAMBDA["adam"])
     assert resolved("--model", "resnet18", "--rec-optimizer", "sgd").lr_x == config.LR_X["displacement"]
     assert (sgd.lr_lambda, paper.lr_lambda) == (config.LR_LAMBDA["sgd"],) * 2
+    # a method's own +ReCL choice is the more specific: GPM replays without noise on the CNN too
+    cnn_dil = config.NETWORKS["cnn"][1]["replay_noise"]["dil"]
+    assert cnn_dil != 0 and resolved("--model", "cnn", "--scenario", "dil").replay_noise == cnn_dil
+    assert resolved("--model", "cnn", "--scenario", "dil", "--method", "gpm").replay_noise == 0.0
 
 
 def test_a_networks_settings_sit_between_the_methods_and_the_flags(monkeypatch):
