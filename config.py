@@ -92,7 +92,6 @@ RECONSTRUCTION = {
     "replay_noise": 2.5,                   # departure 4, in pixel stds of the task
     "ce_weight": {"cil": 3e-4, "dil": 0.0},  # departure 5; it cost ACC in DIL
     "rec_optimizer": "sgd",                # departure 6: "adam" for the conv nets (NETWORKS)
-    "stats_weight": 0.0,                   # departure 7: the feature-statistics prior, for conv nets
     "replay_batch": 0,                     # departure 9: 0 joins the reconstructions to the task's data
     "rec_precision": "auto", "tuning": "naive", "trials": None,
 }
@@ -126,7 +125,7 @@ NETWORKS = {
 }
 # `--paper`: the paper as written. Every departure off, and the method's own training budget.
 PAPER = {"rec_target": "weights", "freeze_old": False, "filter": False, "replay_noise": 0.0, "ce_weight": 0.0,
-         "rec_optimizer": "sgd", "stats_weight": 0.0, "replay_batch": 0, "ce_scope": "all"}
+         "rec_optimizer": "sgd", "replay_batch": 0, "ce_scope": "all"}
 # The inversion control has no lambdas, no stationarity target and no added cross-entropy.
 NOT_FOR_INVERSION = ("lr_lambda", "lambda_min", "rec_target", "ce_weight")
 
@@ -167,7 +166,6 @@ class Config:
     replay_noise: float | None = None
     ce_weight: float | None = None
     rec_optimizer: str | None = None       # departure 6
-    stats_weight: float | None = None      # departure 7
     replay_batch: int | None = None        # departure 9
     rec_precision: str | None = None
     tuning: str | None = None
@@ -182,7 +180,8 @@ class Config:
 NOT_IN_DIGEST = ("seed", "device", "data_root")
 # Settings added after runs were shipped, at the value those runs used: left out of the
 # digest while they have it, so that the earlier results keep their names.
-ADDED_LATER = {"ce_scope": "all", "rec_optimizer": "sgd", "stats_weight": 0.0, "replay_batch": 0}
+ADDED_LATER = {"ce_scope": "all", "rec_optimizer": "sgd", "replay_batch": 0,
+               "bn_weight": 0.0, "stats_weight": 0.0}  # the last two retired (departure 7): records still hold them
 
 
 def digest(cfg):
@@ -284,7 +283,7 @@ def describe(cfg):
     text += "".join(f", {k} {v:g}" for k, v in cfg.hp.items())
     if cfg.variant != "base":
         shown = ["m", "n_rec", "sigma_x", "lr_x", "lr_lambda", "lambda_min", "alpha", "rec_target", "ce_weight",
-                 "rec_optimizer", "stats_weight", "replay_noise", "replay_batch", "freeze_old", "filter",
+                 "rec_optimizer", "replay_noise", "replay_batch", "freeze_old", "filter",
                  "rec_precision", "tuning", "trials"]
         values = [f"{k} {getattr(cfg, k):g}" if isinstance(getattr(cfg, k), float) else f"{k} {getattr(cfg, k)}"
                   for k in shown if getattr(cfg, k) is not None]
@@ -323,7 +322,7 @@ def method_hyperparameter(text):
 
 # Flags that only the +ReCL variants use, by their config names.
 RECL_FLAGS = ["m", "n_rec", "sigma_x", "lr_x", "lr_lambda", "lambda_min", "alpha", "rec_target", "freeze_old",
-              "filter", "replay_noise", "replay_batch", "ce_weight", "rec_optimizer", "stats_weight",
+              "filter", "replay_noise", "replay_batch", "ce_weight", "rec_optimizer",
               "rec_precision", "tuning", "trials", "paper", "rec_objective", "save_images"]
 
 
@@ -401,21 +400,18 @@ def make_parser(prog="recl.py", description=DESCRIPTION):
     g.add_argument("--filter", action=argparse.BooleanOptionalAction,
                    help="train only on candidates the model classifies as their label (default: on)")
     g.add_argument("--replay-noise", type=float, help="std of the fresh noise on replayed reconstructions, in "
-                   "pixel stds of the task (default: 2.5, 0 for GPM)")
+                   "pixel stds of the task (default: 2.5, 0 for GPM, 1 for the CNN in DIL)")
     g.add_argument("--replay-batch", type=int, help="each training step adds this many reconstructions, drawn at "
                    "random, to a batch of the task's own images, and an epoch is one pass over those; 0: the "
                    "reconstructions join the task's data, as the paper (default: 0; 64 for the CNN)")
     g.add_argument("--ce-weight", type=float, help="weight of inversion's cross-entropy added to Eq. 6 "
-                   "(default: 0.0003 in CIL, 0.03 for the CNN, 0 in DIL)")
+                   "(default: 0.0003 in CIL, 0.03 for the CNN in CIL, 0 in DIL)")
     g.add_argument("--rec-optimizer", choices=["sgd", "adam"],
                    help="the optimiser of the candidates and lambdas: SGD with momentum, as the paper, or Adam, "
                         "as image inversion on conv nets (default: sgd; NETWORKS may choose)")
-    g.add_argument("--stats-weight", type=float, help="weight of the feature-statistics prior: the candidates' "
-                   "channel statistics at each convolution against those of the last task's images, recorded "
-                   "when it ended; conv nets only (default: 0; NETWORKS may choose)")
     g.add_argument("--paper", action="store_true", default=None,
                    help="the paper as written: Eq. 3 on the weights, every class afresh, no filter, no replay "
-                        "noise, no cross-entropy term, SGD for the candidates, no statistics prior, CE over all "
+                        "noise, no cross-entropy term, SGD for the candidates, no replay batch, CE over all "
                         "classes, the method's own training budget; explicit flags win")
     g.add_argument("--rec-precision", choices=["auto", "float32", "bfloat16"],
                    help="number format of the reconstruction's products (default auto: bfloat16 where the CPU "
@@ -449,8 +445,7 @@ def check(args, probe_out=True):
     for flag, value in positive.items():
         if value is not None and not (math.isfinite(value) and value > 0):
             raise UsageError(f"--{flag} must be a positive finite number, got {value}")
-    for flag, value in (("replay-noise", args.replay_noise), ("ce-weight", args.ce_weight),
-                        ("stats-weight", args.stats_weight)):
+    for flag, value in (("replay-noise", args.replay_noise), ("ce-weight", args.ce_weight)):
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise UsageError(f"--{flag} must be a finite number >= 0, got {value}")
     if args.replay_batch is not None and args.replay_batch < 0:
@@ -474,8 +469,9 @@ def check(args, probe_out=True):
             if given(args, name):
                 raise UsageError(f"--{name.replace('_', '-')} is part of Eq. 3-6; the inversion control "
                                  "(--rec-objective inversion) does not use it")
-    if args.stats_weight and args.model == "mlp":
-        raise UsageError("--stats-weight: the mlp has no convolutions, whose channel statistics it matches")
+    if args.ce_scope == "local" and args.variant != "recl":
+        raise UsageError("--ce-scope local learns old against new from replayed rows, which the method alone has "
+                         "none of: give it with --variant recl (--ce-scope new is the method alone's counterpart)")
     if args.ce_scope is not None and (args.scenario == "dil" or args.method == "joint"):
         raise UsageError("--ce-scope applies to class-incremental training after the first task; "
                          + ("DIL tasks share their classes" if args.scenario == "dil" else "joint trains all at once"))

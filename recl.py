@@ -195,10 +195,11 @@ def reconstruction_report(losses, best, first_terms):
 # -----------------------------------------------------------------------------
 # Departures from the paper, and a control
 # -----------------------------------------------------------------------------
-# Nine departures, each behind a flag (`--paper` turns them all off;
+# Eight departures, each behind a flag (`--paper` turns them all off;
 # docs/departures.md has why and the numbers). 1-5 are every run's defaults,
-# chosen on validation data; 6-8 were added for the conv nets: 6 is the CNN's
-# default (config.NETWORKS), 7-9 are off unless asked for (docs/networks.md):
+# chosen on validation data; 6-9 were added for the conv nets, where the CNN
+# takes 6, 8 (local) and 9 by default, and 5 at a larger weight
+# (config.NETWORKS, docs/networks.md); the MLP leaves 6-9 off. 7 lost and is gone:
 #
 # 1. `--rec-target displacement`: L_rec fits theta - theta_0, what training
 #    added to the weights, relative to its size. Eq. 3 holds in the limit of
@@ -216,12 +217,8 @@ def reconstruction_report(losses, best, first_terms):
 #    lambda moves about its step size per step whatever the loss's scale, where
 #    SGD's step follows the gradient's size, which on deep nets spans orders of
 #    magnitude: on ResNet18 the lambdas' SGD step overflowed within 13 steps.
-# 7. `--stats-weight` (conv nets): DeepInversion's batch-norm prior, for both
-#    objectives, at every convolution's output: the candidates' per-channel mean
-#    and variance against those of the last task's own images, recorded when it
-#    ended (Lopes et al.'s "metadata"; a few numbers per channel, no images).
-#    For a layer followed by batch norm they are what its running statistics
-#    estimate; for the CNN and AlexNet, which have none, they stand in for them.
+# 7. (removed) a feature-statistics prior, DeepInversion's batch-norm term at
+#    every convolution: it lost on the CNN (docs/departures.md has the numbers).
 # 8. `--ce-scope new` (CIL, part 3): the task's own images score only its new
 #    classes, so they never push the old classes' logits down; the replayed
 #    reconstructions alone keep old and new apart (Always Be Dreaming's local CE).
@@ -238,8 +235,8 @@ def reconstruction_report(losses, best, first_terms):
 # The control, `--rec-objective inversion` (the +inversion variant): is it
 # Eq. 3 that makes the candidates useful, or would any optimisation that makes
 # the model recognise them as their labels do? Model inversion (Simonyan et
-# al. 2014; DeepInversion, Yin et al. 2020, its statistics term only with
-# departure 7) asks only the second: L_inv = sum_i CE(f(x_i), y_i) + L_prior, over the same
+# al. 2014; DeepInversion, Yin et al. 2020, without its batch-norm term) asks
+# only the second: L_inv = sum_i CE(f(x_i), y_i) + L_prior, over the same
 # candidates, labels, optimiser, steps, filter and replay; no lambdas, no
 # stationarity condition, one backward pass per step instead of a double one.
 # And for speed, `--rec-precision bfloat16` runs the loss's products in bfloat16.
@@ -285,63 +282,9 @@ def inversion_losses(model, params, x, y):
     return {"ce": F.cross_entropy(logits, y, reduction="sum"), "prior": image_prior(x)}
 
 
-def feature_statistics(net, params, x, chunk=None):
-    """Departure 7: per channel, the mean and variance of every convolution's output for
-    images `x`, as [(mean, variance), ...] in layer order. Where batch norm sits, this is
-    what its running statistics estimate. `chunk`: add them up that many images at a time,
-    without gradients (to record a task's statistics); None: one differentiable pass."""
-    sums = []
-
-    def add(layer, inputs, output):
-        a = output.float().transpose(0, 1).flatten(1)  # channels x (images * positions)
-        sums.append((a.sum(1), a.pow(2).sum(1), a.shape[1]))
-    hooks = [layer.register_forward_hook(add) for layer in net.modules() if isinstance(layer, torch.nn.Conv2d)]
-    try:
-        with torch.set_grad_enabled(chunk is None and torch.is_grad_enabled()):
-            for part in x.split(chunk or len(x)):
-                functional_call(net, params, (part,))
-    finally:
-        for hook in hooks:
-            hook.remove()
-    n_layers, stats = len(hooks), []
-    for i in range(n_layers):  # one entry per layer and chunk, in order: add the chunks up
-        per_chunk = sums[i::n_layers]
-        n = sum(c[2] for c in per_chunk)
-        mean = sum(c[0] for c in per_chunk) / n
-        stats.append((mean, (sum(c[1] for c in per_chunk) / n - mean.pow(2)).clamp_min(0)))
-    return stats
-
-
-def mixed_statistics(per_task):
-    """The statistics of several equally large tasks' images taken together."""
-    mean = sum(m for m, _ in per_task) / len(per_task)
-    second = sum(v + m.pow(2) for m, v in per_task) / len(per_task)
-    return mean, second - mean.pow(2)
-
-
-def statistics_prior(stats, target, eps=1e-8):
-    """Departure 7's term: the mean over layers and channels of KL(N(mean, var) || N(target)),
-    the candidates' channel statistics against the recorded ones. Zero when they match; in
-    units of each channel's own spread, so one weight means the same on every network."""
-    terms = []
-    for (m, v), (mu, s2) in zip(stats, target):
-        ratio = (v + eps) / (s2 + eps)
-        terms.append(0.5 * (ratio + (m - mu).pow(2) / (s2 + eps) - 1 - ratio.log()).mean())
-    return sum(terms) / len(terms)
-
-
-def with_statistics_prior(loss, net, params, cfg, target):
-    """Departure 7: the feature-statistics prior added to an objective's terms, if its weight asks."""
-    if not cfg.stats_weight:
-        return loss
-    return lambda x, lam: {**loss(x, lam),
-                           "stats": cfg.stats_weight * statistics_prior(feature_statistics(net, params, x), target)}
-
-
-def objective_of(model, fixed=None, m=None, statistics=None):
+def objective_of(model, fixed=None, m=None):
     """L_full with the departures its `cfg` has on, or the control's L_inv, as `reconstruct`
-    takes it. `fixed` = (x, labels, lambdas) of the candidates departure 2 keeps, m the count of all,
-    `statistics` the target of departure 7 for the candidates optimised."""
+    takes it. `fixed` = (x, labels, lambdas) of the candidates departure 2 keeps, m the count of all."""
     def objective(net, params, labels, cfg):
         if cfg.variant == "inversion":
             loss = lambda x, lam: inversion_losses(net, params, x, labels)
@@ -354,7 +297,6 @@ def objective_of(model, fixed=None, m=None, statistics=None):
             weight = cfg.ce_weight  # departure 5
             loss = eq6 if not weight else lambda x, lam: {
                 **eq6(x, lam), "ce": weight * inversion_losses(net, params, x, labels)["ce"]}
-        loss = with_statistics_prior(loss, net, params, cfg, statistics)
         device_type = next(iter(params.values())).device.type
 
         def in_precision(x, lam):
@@ -364,12 +306,10 @@ def objective_of(model, fixed=None, m=None, statistics=None):
     return objective
 
 
-def reconstruct_old_data(model, old_tasks, cfg, log=print, earlier=None, recorded=None):
+def reconstruct_old_data(model, old_tasks, cfg, log=print, earlier=None):
     """Step 1 as this run makes it: labels for the candidates, then `reconstruct` with the
     run's departures. With `earlier` = (x, labels, lambdas) from before the previous task,
-    the classes it covers keep those candidates, fixed (departure 2). `recorded`: each old
-    task's feature statistics, for departure 7; it matches the candidates it optimises to
-    those of the tasks they stand for: the last one when departure 2 keeps the rest."""
+    the classes it covers keep those candidates, fixed (departure 2)."""
     device = next(model.parameters()).device
     input_shape = old_tasks[0].x_train.shape[1:]
     labels = candidate_labels(model.head.out_features, cfg.m, len(old_tasks), cfg.scenario).to(device)
@@ -377,10 +317,7 @@ def reconstruct_old_data(model, old_tasks, cfg, log=print, earlier=None, recorde
     fixed = torch.zeros(len(x), dtype=torch.bool, device=device)
     if earlier is not None:
         x, lam, fixed = keep_earlier(x, lam, labels, *earlier)
-    target = None
-    if cfg.stats_weight:
-        target = recorded[-1] if earlier is not None else [mixed_statistics(layer) for layer in zip(*recorded)]
-    objective = objective_of(model, (x[fixed], labels[fixed], lam[fixed]) if fixed.any() else None, len(x), target)
+    objective = objective_of(model, (x[fixed], labels[fixed], lam[fixed]) if fixed.any() else None, len(x))
     x[~fixed], lam[~fixed], report = reconstruct(model, labels[~fixed], input_shape, cfg, log, objective,
                                                  (x[~fixed], lam[~fixed]))
     return x, labels, lam, {"candidates": len(x), "optimised": int((~fixed).sum()), **report}
@@ -469,10 +406,10 @@ def train_task(model, x, y, hooks, state, cfg, n_replayed=0, n_old_classes=0):
                 xb = xb + replayed * noise_std * torch.randn(xb.shape, generator=noise_gen, device=x.device)
             logits, features = with_head_input(model, xb) if cfg.ce_scope == "local" else (model(xb), None)
             loss = F.cross_entropy(logits, yb)
-            if cfg.ce_scope != "all" and n_old_classes:  # departure 8
+            if cfg.ce_scope != "all" and n_old_classes:  # departure 8 (local with no rows kept to replay: new)
                 old = torch.arange(logits.shape[1], device=x.device) < n_old_classes
                 own = (rows < first_replayed)[:, None]
-                if cfg.ce_scope == "new":  # the task's own images leave the old classes alone
+                if cfg.ce_scope == "new" or not n_replayed:  # the task's own images leave the old classes alone
                     loss = F.cross_entropy(logits.masked_fill(own & old, float("-inf")), yb)
                 else:  # "local": each group among its own classes; old against new in the head only
                     loss = (F.cross_entropy(logits.masked_fill(torch.where(own, old, ~old), float("-inf")), yb)
@@ -514,13 +451,13 @@ def run_continual(cfg, tasks, log=print, judge=None, mean_image=None):
         lambda *args: search_reconstruction(*args, mean_image=mean_image))
     name = config.variant_name(cfg.method, cfg.variant)
     R = [[None] * len(tasks) for _ in tasks]
-    reconstructions, recon_quality, earlier, recorded, diverged = [], [], None, [], None
+    reconstructions, recon_quality, earlier, diverged = [], [], None, None
     for t, task in enumerate(tasks):
         x, y = task.x_train, task.y_train
         if cfg.variant != "base" and t > 0:
             # Step 1: reconstruct old data from the model as it is after task t-1.
             start = time.time()
-            x_rec, y_rec, lam_rec, report = step1(model, tasks[:t], cfg, log, earlier, recorded)
+            x_rec, y_rec, lam_rec, report = step1(model, tasks[:t], cfg, log, earlier)
             log(f"    reconstruction took {time.time() - start:.1f}s")
             if cfg.freeze_old:
                 earlier = (x_rec, y_rec, lam_rec)  # kept whole: the filter below judges them again each time
@@ -549,9 +486,6 @@ def run_continual(cfg, tasks, log=print, judge=None, mean_image=None):
         model.eval()  # strategies look at the trained model (fixed batch-norm statistics, no dropout)
         if "after_task" in hooks:
             hooks["after_task"](model, data.loader(task.x_train, task.y_train, cfg.batch_size, shuffle=False), state)
-        if cfg.variant != "base" and cfg.stats_weight:  # departure 7: what the task's images look like inside
-            with torch.no_grad():
-                recorded.append(feature_statistics(model, dict(model.named_parameters()), task.x_train, chunk=500))
         R[t][:t + 1] = [accuracy(model, old.x_test, old.y_test) for old in tasks[:t + 1]]
         log(f"  [{name}] task {t + 1}/{len(tasks)} classes {task.classes}: loss {loss:.3f}, "
             f"acc {' '.join(f'{a:.1f}' for a in R[t][:t + 1])}")
@@ -638,7 +572,7 @@ def reference_buffer(old_tasks, fraction, seed):
     return torch.cat(picks)
 
 
-def search_reconstruction(model, old_tasks, cfg, log=print, earlier=None, recorded=None, mean_image=None):
+def search_reconstruction(model, old_tasks, cfg, log=print, earlier=None, mean_image=None):
     """Step 1 with a search: `cfg.trials` reconstructions, trial 1 at the run's own values,
     the others drawn around them (only those that apply to its objective). Returns the one
     the score rates highest; its report names the values used."""
@@ -654,8 +588,7 @@ def search_reconstruction(model, old_tasks, cfg, log=print, earlier=None, record
     candidates = [own] + [sample_hyperparameters(gen, own) for _ in range(cfg.trials - 1)]
 
     def evaluate(hp):
-        x, y, lam, report = reconstruct_old_data(model, old_tasks, dataclasses.replace(cfg, **hp), log, earlier,
-                                                  recorded)
+        x, y, lam, report = reconstruct_old_data(model, old_tasks, dataclasses.replace(cfg, **hp), log, earlier)
         # a draw whose kept candidates are no better than its start loses; one that overshot
         # after improving competes with what it kept (it is still flagged in the run)
         useless = not math.isfinite(report["kept_loss"]) or report["kept_loss"] >= report["first_loss"]
