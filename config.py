@@ -28,6 +28,7 @@ and what a result records about the machine that made it.
 """
 import argparse
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -525,6 +526,7 @@ def check_tasks(tasks, cfg):
 # Results on disk, and what made them
 # =============================================================================
 
+@functools.cache  # once per process: the code it loaded, whatever is committed while it runs
 def provenance():
     """What made a result, beyond its config: code version, library, machine."""
     try:

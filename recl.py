@@ -628,7 +628,6 @@ def main(argv=None):
         if left_out:  # the class order decides which; the run's JSON records them
             print(f"note: seed {cfg.seed} leaves out class(es) {left_out}: they fill no whole task of "
                   f"{cfg.classes_per_task} classes", flush=True)
-    made_by = config.provenance()  # the code this process loaded: a commit made while it runs is not it
     results, failed, loaded = {}, [], None
     for cfg in runs:
         if loaded is None or loaded[0] != cfg.seed:
@@ -641,7 +640,7 @@ def main(argv=None):
         judge = lambda old, x_rec: judging.report_reconstruction(name, old, x_rec, cfg, mean_image, image_path, log)
         record = run_continual(cfg, tasks, log, judge, mean_image)
         record.update(dataset=config.dataset_name(cfg.dataset), class_order=class_order, classes_left_out=left_out,
-                      config=dataclasses.asdict(cfg), digest=config.digest(cfg), provenance=made_by)
+                      config=dataclasses.asdict(cfg), digest=config.digest(cfg), provenance=config.provenance())
         config.write_json_atomically(path, record)
         if record["diverged"]:
             failed.append(f"{name} {cfg.scenario} seed {cfg.seed} diverged: {record['diverged']} "
