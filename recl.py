@@ -362,6 +362,21 @@ def with_head_input(model, x):
         hook.remove()
 
 
+def cross_entropy(logits, y, scope, own, n_old_classes, head_only=None):
+    """The batch's cross-entropy over the classes `scope` lets each row compare (departure 8):
+    "all" of them; "new": the task's own rows (`own`) leave the first `n_old_classes` alone;
+    "local": own rows over the new classes, replayed rows over the old, and old against new
+    in `head_only`, the logits of the head alone on features it cannot change."""
+    if scope == "all" or not n_old_classes:
+        return F.cross_entropy(logits, y)
+    old = (torch.arange(logits.shape[1], device=logits.device) < n_old_classes)[None]
+    own = own[:, None]
+    if scope == "new":
+        return F.cross_entropy(logits.masked_fill(own & old, float("-inf")), y)
+    grouped = logits.masked_fill(torch.where(own, old, ~old), float("-inf"))
+    return F.cross_entropy(grouped, y) + F.cross_entropy(head_only, y)
+
+
 def train_task(model, x, y, hooks, state, cfg, n_replayed=0, n_old_classes=0):
     """Plain SGD on cross-entropy; the strategy's hooks add a loss term or edit gradients.
 
@@ -404,16 +419,14 @@ def train_task(model, x, y, hooks, state, cfg, n_replayed=0, n_old_classes=0):
             if noise_std > 0:
                 replayed = (rows >= first_replayed).view(-1, *[1] * (x.dim() - 1))
                 xb = xb + replayed * noise_std * torch.randn(xb.shape, generator=noise_gen, device=x.device)
-            logits, features = with_head_input(model, xb) if cfg.ce_scope == "local" else (model(xb), None)
-            loss = F.cross_entropy(logits, yb)
-            if cfg.ce_scope != "all" and n_old_classes:  # departure 8 (local with no rows kept to replay: new)
-                old = torch.arange(logits.shape[1], device=x.device) < n_old_classes
-                own = (rows < first_replayed)[:, None]
-                if cfg.ce_scope == "new" or not n_replayed:  # the task's own images leave the old classes alone
-                    loss = F.cross_entropy(logits.masked_fill(own & old, float("-inf")), yb)
-                else:  # "local": each group among its own classes; old against new in the head only
-                    loss = (F.cross_entropy(logits.masked_fill(torch.where(own, old, ~old), float("-inf")), yb)
-                            + F.cross_entropy(model.head(features.detach()), yb))
+            scope, head_only = cfg.ce_scope, None
+            if scope == "local" and n_replayed:
+                logits, features = with_head_input(model, xb)
+                head_only = model.head(features.detach())
+            else:
+                logits = model(xb)
+                scope = "new" if scope == "local" else scope  # local with no reconstruction kept to replay
+            loss = cross_entropy(logits, yb, scope, rows < first_replayed, n_old_classes, head_only)
             if "extra_loss" in hooks:
                 loss = loss + hooks["extra_loss"](model, xb, yb, logits, state)
             optimizer.zero_grad()
