@@ -195,11 +195,12 @@ def reconstruction_report(losses, best, first_terms):
 # -----------------------------------------------------------------------------
 # Departures from the paper, and a control
 # -----------------------------------------------------------------------------
-# Eight departures, each behind a flag (`--paper` turns them all off;
+# Departures 1-9, each behind a flag (`--paper` turns them all off;
 # docs/departures.md has why and the numbers). 1-5 are every run's defaults,
-# chosen on validation data; 6-9 were added for the conv nets, where the CNN
-# takes 6, 8 (local) and 9 by default, and 5 at a larger weight
-# (config.NETWORKS, docs/networks.md); the MLP leaves 6-9 off. 7 lost and is gone:
+# chosen on validation data; 6-9 were added for the conv nets: the CNN takes
+# 6, 8 (local, in CIL) and 9 by default, and 5 at a larger weight; ResNet18
+# takes 6 (config.NETWORKS, docs/networks.md); the MLP and AlexNet leave 6-9
+# off. 7 lost and is gone:
 #
 # 1. `--rec-target displacement`: L_rec fits theta - theta_0, what training
 #    added to the weights, relative to its size. Eq. 3 holds in the limit of
@@ -221,7 +222,8 @@ def reconstruction_report(losses, best, first_terms):
 #    every convolution: it lost on the CNN (docs/departures.md has the numbers).
 # 8. `--ce-scope new` (CIL, part 3): the task's own images score only its new
 #    classes, so they never push the old classes' logits down; the replayed
-#    reconstructions alone keep old and new apart (Always Be Dreaming's local CE).
+#    reconstructions alone keep old and new apart (the cross-entropy Always Be
+#    Dreaming gives new data).
 #    `--ce-scope local`: the replayed rows score only the old classes too, and
 #    old against new is learned by the head alone, from both, with the features
 #    held fixed (Always Be Dreaming's split): the features then have no reason
@@ -229,8 +231,8 @@ def reconstruction_report(losses, best, first_terms):
 # 9. `--replay-batch N` (part 3): each step adds N reconstructions, drawn at
 #    random, to a batch of the task's own images, as data-free replay methods do
 #    (Always Be Dreaming, R-DFCIL). The paper joins every reconstruction to the
-#    task's data, so by the last task most of each batch is replay and an
-#    epoch costs more with every task; here both stay fixed.
+#    task's data, so the share of replay in a batch and the cost of an epoch
+#    change from task to task; here both stay fixed.
 #
 # The control, `--rec-objective inversion` (the +inversion variant): is it
 # Eq. 3 that makes the candidates useful, or would any optimisation that makes
@@ -631,6 +633,7 @@ def make_tasks(cfg):
 def main(argv=None):
     """Run a method (and/or its +ReCL variant) over `--seeds` seeds; one JSON file per run."""
     args = config.make_parser().parse_args(argv)
+    config.provenance()  # the code this process loaded, named now: a commit made while it runs is not it
     config.check(args)
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
     runs = [config.resolve(args, seed, variant) for seed in range(args.seed, args.seed + (args.seeds or 1))

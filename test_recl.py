@@ -569,6 +569,8 @@ def test_ce_over_new_classes_leaves_the_old_heads_to_replay():
     assert old_rows_after_training("new", 0) == 0
     assert old_rows_after_training("all", 0) > 0
     assert old_rows_after_training("new", 4) > 0
+    # local with nothing kept to replay trains as new: its head-only term would push old classes down
+    assert old_rows_after_training("local", 0) == 0
 
 
 def test_local_ce_scores_each_group_among_its_own_classes_and_old_against_new_in_the_head_only():
