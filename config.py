@@ -94,6 +94,7 @@ RECONSTRUCTION = {
     "ce_weight": {"cil": 3e-4, "dil": 0.0},  # departure 5; it cost ACC in DIL
     "rec_optimizer": "sgd",                # departure 6: "adam" for the conv nets (NETWORKS)
     "replay_batch": 0,                     # departure 9: 0 joins the reconstructions to the task's data
+    "backtrack": False,                    # departure 11
     "rec_precision": "auto", "tuning": "naive", "trials": None,
 }
 # The candidates' step size depends on what their loss is: the displacement
@@ -127,7 +128,7 @@ NETWORKS = {
 }
 # `--paper`: the paper as written. Every departure off, and the method's own training budget.
 PAPER = {"rec_target": "weights", "freeze_old": False, "filter": False, "replay_noise": 0.0, "ce_weight": 0.0,
-         "rec_optimizer": "sgd", "replay_batch": 0, "ce_scope": "all"}
+         "rec_optimizer": "sgd", "replay_batch": 0, "ce_scope": "all", "backtrack": False}
 # The inversion control has no lambdas, no stationarity target and no added cross-entropy.
 NOT_FOR_INVERSION = ("lr_lambda", "lambda_min", "rec_target", "ce_weight")
 
@@ -169,6 +170,7 @@ class Config:
     ce_weight: float | None = None
     rec_optimizer: str | None = None       # departure 6
     replay_batch: int | None = None        # departure 9
+    backtrack: bool | None = None          # departure 11
     rec_precision: str | None = None
     tuning: str | None = None
     trials: int | None = None
@@ -182,8 +184,9 @@ class Config:
 NOT_IN_DIGEST = ("seed", "device", "data_root")
 # Settings added after runs were shipped, at the value those runs used: left out of the
 # digest while they have it, so that the earlier results keep their names.
-ADDED_LATER = {"ce_scope": "all", "rec_optimizer": "sgd", "replay_batch": 0,
-               "bn_weight": 0.0, "stats_weight": 0.0}  # the last two retired (departure 7): records still hold them
+ADDED_LATER = {"ce_scope": "all", "rec_optimizer": "sgd", "replay_batch": 0, "backtrack": False,
+               # retired: departure 7's (lost, removed) and 10's (lost, never shipped); records still hold them
+               "bn_weight": 0.0, "stats_weight": 0.0, "tv_weight": 0.0, "jitter": 0}
 
 
 def digest(cfg):
@@ -285,7 +288,7 @@ def describe(cfg):
     text += "".join(f", {k} {v:g}" for k, v in cfg.hp.items())
     if cfg.variant != "base":
         shown = ["m", "n_rec", "sigma_x", "lr_x", "lr_lambda", "lambda_min", "alpha", "rec_target", "ce_weight",
-                 "rec_optimizer", "replay_noise", "replay_batch", "freeze_old", "filter",
+                 "rec_optimizer", "replay_noise", "replay_batch", "backtrack", "freeze_old", "filter",
                  "rec_precision", "tuning", "trials"]
         values = [f"{k} {getattr(cfg, k):g}" if isinstance(getattr(cfg, k), float) else f"{k} {getattr(cfg, k)}"
                   for k in shown if getattr(cfg, k) is not None]
@@ -324,7 +327,7 @@ def method_hyperparameter(text):
 
 # Flags that only the +ReCL variants use, by their config names.
 RECL_FLAGS = ["m", "n_rec", "sigma_x", "lr_x", "lr_lambda", "lambda_min", "alpha", "rec_target", "freeze_old",
-              "filter", "replay_noise", "replay_batch", "ce_weight", "rec_optimizer",
+              "filter", "replay_noise", "replay_batch", "backtrack", "ce_weight", "rec_optimizer",
               "rec_precision", "tuning", "trials", "paper", "rec_objective", "save_images"]
 
 
@@ -406,6 +409,8 @@ def make_parser(prog="recl.py", description=DESCRIPTION):
     g.add_argument("--replay-batch", type=int, help="each training step adds this many reconstructions, drawn at "
                    "random, to a batch of the task's own images, and an epoch is one pass over those; 0: the "
                    "reconstructions join the task's data, as the paper (default: 0; 64 for the CNN)")
+    g.add_argument("--backtrack", action=argparse.BooleanOptionalAction, help="a reconstruction step that raises "
+                   "the loss is undone and the step sizes halved (default: off)")
     g.add_argument("--ce-weight", type=float, help="weight of inversion's cross-entropy added to Eq. 6 "
                    "(default: 0.0003 in CIL, 0.03 for the CNN in CIL, 0 in DIL)")
     g.add_argument("--rec-optimizer", choices=["sgd", "adam"],

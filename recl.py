@@ -164,6 +164,14 @@ def reconstruct(model, labels, input_shape, cfg, log=print, objective=paper_obje
             first_terms = {k: v.detach() for k, v in terms.items()}
         elif step % max(1, cfg.n_rec // 4) == 0 and step < cfg.n_rec:  # progress at each quarter
             log(f"    step {step}/{cfg.n_rec}: loss {losses[-1]:.4g}")
+        if cfg.backtrack and best is not None and not losses[-1] <= best[0]:  # departure 11
+            with torch.no_grad():  # undo the step that raised the loss, with the momentum that made it,
+                x.copy_(best[1]), lam.copy_(best[2])
+            for opt in (opt_x, opt_lam):  # and take half as long steps from here on
+                opt.state.clear()
+                opt.param_groups[0]["lr"] /= 2
+            losses[-1] = best[0]  # the state held is the best one; the next pass takes its gradient
+            continue
         if not math.isfinite(losses[-1]):
             break
         if best is None or losses[-1] < best[0]:  # a step can overshoot: keep the best candidates seen
@@ -195,7 +203,7 @@ def reconstruction_report(losses, best, first_terms):
 # -----------------------------------------------------------------------------
 # Departures from the paper, and a control
 # -----------------------------------------------------------------------------
-# Departures 1-9, each behind a flag (`--paper` turns them all off;
+# Departures 1-11, each behind a flag (`--paper` turns them all off;
 # docs/departures.md has why and the numbers). 1-5 are every run's defaults,
 # chosen on validation data; 6-9 were added for the conv nets: the CNN takes
 # 6, 8 (local, in CIL) and 9 by default, and 5 at a larger weight; ResNet18
@@ -233,6 +241,14 @@ def reconstruction_report(losses, best, first_terms):
 #    (Always Be Dreaming, R-DFCIL). The paper joins every reconstruction to the
 #    task's data, so the share of replay in a batch and the cost of an epoch
 #    change from task to task; here both stay fixed.
+# 10. (removed) DeepInversion's image priors, total variation and random
+#    jitter: they made the CNN's candidates look more like data, not its replay
+#    more useful (docs/departures.md).
+# 11. `--backtrack` (Step 1): a step that raises L_full is undone, momentum and
+#    all, and the step sizes halve, so a reconstruction only ever descends. A
+#    step size that overshoots then costs steps, not the reconstruction: the
+#    image-inversion codes that work on ResNets guard their steps the same way
+#    (warm-up, clipping), and without it ResNet18 still ends some above its start.
 #
 # The control, `--rec-objective inversion` (the +inversion variant): is it
 # Eq. 3 that makes the candidates useful, or would any optimisation that makes

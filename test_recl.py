@@ -553,6 +553,27 @@ def test_adam_fits_where_the_lambdas_sgd_step_overflows():
     assert not adam["failed"] and adam["kept_loss"] < 0.5 * adam["first_loss"]  # measured: 0.29 of the start
 
 
+@pytest.mark.parametrize("optimizer, lr_x, lr_lambda", [("sgd", 1e-6, 0.1), ("adam", 1e4, 0.01)])
+def test_backtracking_turns_every_diverging_reconstruction_into_one_that_descends(optimizer, lr_x, lr_lambda):
+    """Departure 11: the settings above that overflow or overshoot (flagged, the start handed back)
+    end below their start, unflagged, once a step that raises the loss is undone and halved."""
+    model, labels = small_batch_norm_net(), torch.tensor([0, 1, 2]).repeat(4)
+    models.remember_start(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+        for layer in model.modules():
+            if isinstance(layer, nn.BatchNorm2d):
+                layer.running_var.mul_(1e-4)
+    model.eval()
+    settings = dict(rec_optimizer=optimizer, lr_x=lr_x, lr_lambda=lr_lambda, n_rec=40, m=4)
+    _, _, plain = step1(model, labels, (1, 8, 8), run_config(**settings))
+    x, _, report = step1(model, labels, (1, 8, 8), run_config(**settings, backtrack=True))
+    assert plain["failed"]  # without it, these diverge or never improve
+    assert report["failed"] is None and torch.isfinite(x).all()
+    assert report["last_step_loss"] == report["kept_loss"] < 0.9 * report["first_loss"]
+
+
 def test_ce_over_new_classes_leaves_the_old_heads_to_replay():
     """Departure 8: the task's own images give the old classes' head rows no gradient;
     replayed rows still do."""
