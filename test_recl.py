@@ -1514,6 +1514,12 @@ def test_each_network_runs_its_own_settings_unless_a_flag_or_the_paper_says_othe
     cnn_dil = config.NETWORKS["cnn"][1]["replay_noise"]["dil"]
     assert cnn_dil != 0 and resolved("--model", "cnn", "--scenario", "dil").replay_noise == cnn_dil
     assert resolved("--model", "cnn", "--scenario", "dil", "--method", "gpm").replay_noise == 0.0
+    # ER keeps CE over all classes: its memory of real images already teaches old against new
+    assert (cnn.ce_scope, resolved("--model", "cnn", "--method", "er").ce_scope) == ("local", "all")
+    assert resolved("--model", "cnn", "--method", "er", "--variant", "recl", "--ce-scope", "local").ce_scope == "local"
+    # ResNet18 replays at a fixed share and its reconstructions only descend (departures 9, 11)
+    assert (resnet.m, resnet.n_rec, resnet.replay_batch, resnet.replay_noise, resnet.backtrack) == (10, 15, 32, 1.0, True)
+    assert not resolved("--model", "resnet18", "--paper").backtrack and not cnn.backtrack
 
 
 def test_a_networks_settings_sit_between_the_methods_and_the_flags(monkeypatch):
@@ -1544,10 +1550,11 @@ def test_a_config_holds_only_what_applies_and_its_digest_changes_with_any_settin
                   ["--ce-scope", "new"], ["--rec-optimizer", "adam"]):
         assert config.digest(resolved(*flags)) != config.digest(recl_), flags
     # settings added later leave the digest alone at the value earlier runs had (their files keep their names)
-    for flags in (["--ce-scope", "all"], ["--rec-optimizer", "sgd"], ["--replay-batch", "0"]):
+    for flags in (["--ce-scope", "all"], ["--rec-optimizer", "sgd"], ["--replay-batch", "0"], ["--no-backtrack"]):
         assert config.digest(resolved(*flags)) == config.digest(recl_), flags
     resnet = resolved("--model", "resnet18")
     assert config.digest(resolved("--replay-batch", "8")) != config.digest(recl_)
+    assert config.digest(resolved("--backtrack")) != config.digest(recl_)
 
 
 def test_method_hyperparameters_come_from_the_command_line(tmp_path):
