@@ -192,7 +192,7 @@ NOT_IN_DIGEST = ("seed", "device", "data_root")
 # Settings added after runs were shipped, at the value those runs used: left out of the
 # digest while they have it, so that the earlier results keep their names.
 ADDED_LATER = {"ce_scope": "all", "rec_optimizer": "sgd", "replay_batch": 0, "backtrack": False,
-               # retired: departure 7's (lost, removed) and 10's (lost, never shipped); records still hold them
+               # retired: departures 7 and 10, tried and removed; records still hold them
                "bn_weight": 0.0, "stats_weight": 0.0, "tv_weight": 0.0, "jitter": 0}
 
 
@@ -338,7 +338,7 @@ RECL_FLAGS = ["m", "n_rec", "sigma_x", "lr_x", "lr_lambda", "lambda_min", "alpha
               "rec_precision", "tuning", "trials", "paper", "rec_objective", "save_images"]
 
 
-SWITCHES = {"paper", "save_images", "freeze_old", "no_freeze_old", "filter", "no_filter"}
+SWITCHES = {"paper", "save_images", "freeze_old", "no_freeze_old", "filter", "no_filter", "backtrack", "no_backtrack"}
 
 
 def without_flags(argv, names):
@@ -389,13 +389,14 @@ def make_parser(prog="recl.py", description=DESCRIPTION):
                    help="CIL: the cross-entropy of the task's own images over all classes, or over its new classes "
                         "only, so that they never push down old classes, or local: also replayed rows over the old "
                         "classes only, and old against new learned by the head alone (default: all; local for "
-                        "the CNN's +ReCL)")
+                        "the CNN's +ReCL, except ER's)")
     p.add_argument("--hp", type=method_hyperparameter, action="append", default=[], metavar="KEY=VALUE",
                    help="a method hyperparameter, e.g. --hp ewc_lambda=1000 (default: PRESETS)")
     g = p.add_argument_group("reconstruction (the +ReCL variant only; defaults: config.RECONSTRUCTION)")
     g.add_argument("--m", type=int, help="candidates per old class (default: --n-per-class, or 100 with all; "
-                                         "20 for the CNN; in DIL per class and old task)")
-    g.add_argument("--n-rec", type=int, help="reconstruction steps before each task (default: 100; 30 for the CNN)")
+                                         "20 for the CNN, 10 for ResNet18; in DIL per class and old task)")
+    g.add_argument("--n-rec", type=int, help="reconstruction steps before each task (default: 100; 30 for the CNN, "
+                                              "15 for ResNet18)")
     g.add_argument("--sigma-x", type=float, help="std of the initial random candidates (default: 0.001)")
     g.add_argument("--rec-objective", choices=["stationarity", "inversion"],
                    help="Eq. 3-6, or plain model inversion, the control (default: stationarity)")
@@ -412,12 +413,12 @@ def make_parser(prog="recl.py", description=DESCRIPTION):
     g.add_argument("--filter", action=argparse.BooleanOptionalAction,
                    help="train only on candidates the model classifies as their label (default: on)")
     g.add_argument("--replay-noise", type=float, help="std of the fresh noise on replayed reconstructions, in "
-                   "pixel stds of the task (default: 2.5, 0 for GPM, 1 for the CNN in DIL)")
+                   "pixel stds of the task (default: 2.5, 0 for GPM, 1 for the CNN in DIL and ResNet18)")
     g.add_argument("--replay-batch", type=int, help="each training step adds this many reconstructions, drawn at "
                    "random, to a batch of the task's own images, and an epoch is one pass over those; 0: the "
-                   "reconstructions join the task's data, as the paper (default: 0; 64 for the CNN)")
+                   "reconstructions join the task's data, as the paper (default: 0; 64 for the CNN, 32 for ResNet18)")
     g.add_argument("--backtrack", action=argparse.BooleanOptionalAction, help="a reconstruction step that raises "
-                   "the loss is undone and the step sizes halved (default: off)")
+                   "the loss is undone and the step sizes halved (default: off; on for ResNet18)")
     g.add_argument("--ce-weight", type=float, help="weight of inversion's cross-entropy added to Eq. 6 "
                    "(default: 0.0003 in CIL, 0.03 for the CNN in CIL, 0 in DIL)")
     g.add_argument("--rec-optimizer", choices=["sgd", "adam"],
@@ -426,7 +427,7 @@ def make_parser(prog="recl.py", description=DESCRIPTION):
     g.add_argument("--paper", action="store_true", default=None,
                    help="the paper as written: Eq. 3 on the weights, every class afresh, no filter, no replay "
                         "noise, no cross-entropy term, SGD for the candidates, no replay batch, CE over all "
-                        "classes, the method's own training budget; explicit flags win")
+                        "classes, no backtracking, the method's own training budget; explicit flags win")
     g.add_argument("--rec-precision", choices=["auto", "float32", "bfloat16"],
                    help="number format of the reconstruction's products (default auto: bfloat16 where the CPU "
                         "has it)")

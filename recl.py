@@ -138,7 +138,8 @@ def reconstruct(model, labels, input_shape, cfg, log=print, objective=paper_obje
     """Step 1 of ReCL (Sec. 4.1): recover look-alikes of old training data from `model` alone.
 
     Random candidates and lambdas (or `start`), two full-batch SGD optimisers with
-    momentum 0.9 (Adam with departure 6), n_rec steps on L_full.
+    momentum 0.9 (Adam with departure 6), n_rec steps on L_full; with departure 11 a
+    step that raised the loss is undone, and that pass takes no step.
     `objective(net, params, labels, cfg)` gives L_full; the departures below pass
     their own. Returns the candidates and lambdas with the lowest loss seen, the
     last step's included, and a report.
@@ -154,7 +155,7 @@ def reconstruct(model, labels, input_shape, cfg, log=print, objective=paper_obje
     else:
         optimizer = lambda v, lr: torch.optim.SGD([v], lr=lr, momentum=0.9)
     opt_x, opt_lam = optimizer(x, cfg.lr_x), optimizer(lam, cfg.lr_lambda or 0.0)  # inversion has no lambdas
-    losses, best = [], None
+    losses, best, undone, backtracks = [], None, False, 0
     for step in range(cfg.n_rec + 1):  # the extra pass only scores the last step's candidates
         with torch.set_grad_enabled(step < cfg.n_rec):
             terms = L_full(x, lam)
@@ -162,16 +163,20 @@ def reconstruct(model, labels, input_shape, cfg, log=print, objective=paper_obje
         losses.append(loss.item())
         if step == 0:
             first_terms = {k: v.detach() for k, v in terms.items()}
-        elif step % max(1, cfg.n_rec // 4) == 0 and step < cfg.n_rec:  # progress at each quarter
-            log(f"    step {step}/{cfg.n_rec}: loss {losses[-1]:.4g}")
-        if cfg.backtrack and best is not None and not losses[-1] <= best[0]:  # departure 11
+        # departure 11; the pass after an undo rescores the restored state, which a GPU may not repeat exactly
+        if cfg.backtrack and best is not None and not undone and not losses[-1] <= best[0]:
             with torch.no_grad():  # undo the step that raised the loss, with the momentum that made it,
                 x.copy_(best[1]), lam.copy_(best[2])
             for opt in (opt_x, opt_lam):  # and take half as long steps from here on
                 opt.state.clear()
                 opt.param_groups[0]["lr"] /= 2
-            losses[-1] = best[0]  # the state held is the best one; the next pass takes its gradient
-            continue
+            losses[-1], undone, backtracks = best[0], True, backtracks + 1  # the state held is the best one
+        else:
+            undone = False
+        if step and step % max(1, cfg.n_rec // 4) == 0 and step < cfg.n_rec:  # progress at each quarter
+            log(f"    step {step}/{cfg.n_rec}: loss {losses[-1]:.4g}")
+        if undone:
+            continue  # the next pass takes the restored state's gradient
         if not math.isfinite(losses[-1]):
             break
         if best is None or losses[-1] < best[0]:  # a step can overshoot: keep the best candidates seen
@@ -185,20 +190,22 @@ def reconstruct(model, labels, input_shape, cfg, log=print, objective=paper_obje
         opt_lam.step()
     if best is None:  # not even the start has a finite loss: hand back the start, flagged
         best = (losses[0], x.detach(), lam.detach(), {k: v.detach() for k, v in terms.items()})
-    return best[1], best[2], reconstruction_report(losses, best, first_terms)
+    return best[1], best[2], reconstruction_report(losses, best, first_terms, backtracks)
 
 
-def reconstruction_report(losses, best, first_terms):
+def reconstruction_report(losses, best, first_terms, backtracks=0):
     """What a reconstruction did: the loss at its start, of the candidates it kept, and at
     its last step; and why it failed, if it did: the optimisation diverged (a loss that
-    turned non-finite, or a last step above the start), or no step lowered the loss."""
+    turned non-finite, or a last step above the start), or no step lowered the loss.
+    With backtracking (departure 11) an undone step counts at the loss of the state it
+    returned to, so only "no step lowered the loss" can flag it; `backtracks` counts the undos."""
     first, last = losses[0], losses[-1]
     failed = (f"diverged at step {len(losses) - 1}" if not math.isfinite(last)
               else f"diverged: the last step's loss {last:.4g} is above the start's {first:.4g}" if last > first
               else "no step lowered the loss" if best[0] >= first else None)
     return {"steps": len(losses) - 1, "first_loss": first, "kept_loss": best[0], "last_step_loss": last,
             "first_terms": {k: v.item() for k, v in first_terms.items()},
-            "kept_terms": {k: v.item() for k, v in best[3].items()}, "failed": failed}
+            "kept_terms": {k: v.item() for k, v in best[3].items()}, "backtracks": backtracks, "failed": failed}
 
 # -----------------------------------------------------------------------------
 # Departures from the paper, and a control

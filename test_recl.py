@@ -554,7 +554,7 @@ def test_adam_fits_where_the_lambdas_sgd_step_overflows():
 
 
 @pytest.mark.parametrize("optimizer, lr_x, lr_lambda", [("sgd", 1e-6, 0.1), ("adam", 1e4, 0.01)])
-def test_backtracking_turns_every_diverging_reconstruction_into_one_that_descends(optimizer, lr_x, lr_lambda):
+def test_backtracking_turns_a_diverging_reconstruction_into_one_that_descends(optimizer, lr_x, lr_lambda):
     """Departure 11: the settings above that overflow or overshoot (flagged, the start handed back)
     end below their start, unflagged, once a step that raises the loss is undone and halved."""
     model, labels = small_batch_norm_net(), torch.tensor([0, 1, 2]).repeat(4)
@@ -569,9 +569,9 @@ def test_backtracking_turns_every_diverging_reconstruction_into_one_that_descend
     settings = dict(rec_optimizer=optimizer, lr_x=lr_x, lr_lambda=lr_lambda, n_rec=40, m=4)
     _, _, plain = step1(model, labels, (1, 8, 8), run_config(**settings))
     x, _, report = step1(model, labels, (1, 8, 8), run_config(**settings, backtrack=True))
-    assert plain["failed"]  # without it, these diverge or never improve
-    assert report["failed"] is None and torch.isfinite(x).all()
-    assert report["last_step_loss"] == report["kept_loss"] < 0.9 * report["first_loss"]
+    assert plain["failed"] and plain["kept_loss"] == plain["first_loss"]  # without it: the start, flagged
+    assert report["failed"] is None and torch.isfinite(x).all() and report["backtracks"] > 0
+    assert report["kept_loss"] < 0.9 * report["first_loss"]
 
 
 def test_ce_over_new_classes_leaves_the_old_heads_to_replay():
@@ -1454,13 +1454,15 @@ def test_help_gives_every_flag_a_meaning_and_the_presets_defaults():
     text = " ".join(parser.format_help().split())
     for action in parser._actions:
         assert action.help, f"{action.option_strings} has no help"
-    rec, cnn = config.RECONSTRUCTION, config.NETWORKS["cnn"][1]
-    for shown in [f"reconstruction steps before each task (default: {rec['n_rec']}; {cnn['n_rec']} for the CNN)",
-                  f"or 100 with all; {cnn['m']} for the CNN", f"(default: 0; {cnn['replay_batch']} for the CNN)",
+    rec, cnn, resnet = config.RECONSTRUCTION, config.NETWORKS["cnn"][1], config.NETWORKS["resnet18"][1]
+    for shown in [f"(default: {rec['n_rec']}; {cnn['n_rec']} for the CNN, {resnet['n_rec']} for ResNet18)",
+                  f"or 100 with all; {cnn['m']} for the CNN, {resnet['m']} for ResNet18",
+                  f"(default: 0; {cnn['replay_batch']} for the CNN, {resnet['replay_batch']} for ResNet18)",
+                  f"{cnn['replay_noise']['dil']:g} for the CNN in DIL and ResNet18", "(default: off; on for ResNet18)",
                   f"{rec['ce_weight']['cil']:g} in CIL, {cnn['ce_weight']['cil']:g} for the CNN in CIL",
                   f"theta - theta_0 (default: {rec['rec_target']})", "first seed (default: 0)",
                   f"(default: {rec['sigma_x']:g})", "classifies as their label (default: on)",
-                  f"(default: {rec['replay_noise']:g}, 0 for GPM, {cnn['replay_noise']['dil']:g} for the CNN in DIL)", f"{rec['ce_weight']['cil']:g} in CIL",
+                  f"(default: {rec['replay_noise']:g}, 0 for GPM, {cnn['replay_noise']['dil']:g} for the CNN", f"{rec['ce_weight']['cil']:g} in CIL",
                   f"{config.LR_X['displacement']:g} for the displacement target",
                   f"{config.LR_X['weights']:g} for the weights", f"{config.LR_X['inversion']['cil']:g} (CIL)",
                   f"{config.LR_X['inversion']['dil']:g} (DIL)", f"(default: {config.LR_LAMBDA['sgd']:g}; with Adam {config.LR_LAMBDA['adam']:g})",
@@ -1468,6 +1470,7 @@ def test_help_gives_every_flag_a_meaning_and_the_presets_defaults():
         assert shown in text, shown
     assert config.PRESETS["cil"]["gpm"][1]["replay_noise"] == 0.0  # "0 for GPM" is true in both scenarios
     assert config.PRESETS["dil"]["gpm"][1]["replay_noise"] == 0.0
+    assert cnn["replay_noise"]["dil"] == resnet["replay_noise"] and resnet["backtrack"]  # "... and ResNet18", "on"
 
 
 def resolved(*flags, variant="recl", seed=0):
@@ -1712,6 +1715,7 @@ def test_classes_left_out_by_the_split_are_named_and_recorded(tmp_path, capsys):
 
 
 def test_run_all_gives_each_run_only_the_flags_it_uses():
+    assert config.without_flags(["--no-backtrack", "--seeds", "3", "--backtrack"], config.RECL_FLAGS) == ["--seeds", "3"]
     assert config.without_flags(["--epochs", "3", "--n-rec", "50", "--no-filter", "--paper",
                                  "--rec-precision=bfloat16", "--lr", "0.1", "--m", "7"], config.RECL_FLAGS) == \
         ["--epochs", "3", "--lr", "0.1"]
