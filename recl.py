@@ -212,10 +212,10 @@ def reconstruction_report(losses, best, first_terms, backtracks=0):
 # -----------------------------------------------------------------------------
 # Departures 1-11, each behind a flag (`--paper` turns them all off;
 # docs/departures.md has why and the numbers). 1-5 are every run's defaults,
-# chosen on validation data; 6-11 were added for the conv nets: the CNN takes
-# 6, 8 (local, in CIL; ER keeps CE over all classes) and 9 by default, and 5 at
-# a larger weight; ResNet18 takes 6, 9 and 11 (config.NETWORKS, docs/networks.md);
-# the MLP and AlexNet leave 6-11 off. 7 and 10 lost and are gone:
+# chosen on validation data; 6-11 were added for the conv nets: the CNN and
+# AlexNet take 6, 8 (local, in CIL; ER keeps CE over all classes) and 9 by
+# default, and 5 at a larger weight; ResNet18 takes 6, 9 and 11 (config.NETWORKS,
+# docs/networks.md); the MLP leaves 6-11 off. 7 and 10 lost and are gone:
 #
 # 1. `--rec-target displacement`: L_rec fits theta - theta_0, what training
 #    added to the weights, relative to its size. Eq. 3 holds in the limit of

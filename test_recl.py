@@ -1455,11 +1455,12 @@ def test_help_gives_every_flag_a_meaning_and_the_presets_defaults():
     for action in parser._actions:
         assert action.help, f"{action.option_strings} has no help"
     rec, cnn, resnet = config.RECONSTRUCTION, config.NETWORKS["cnn"][1], config.NETWORKS["resnet18"][1]
-    for shown in [f"(default: {rec['n_rec']}; {cnn['n_rec']} for the CNN, {resnet['n_rec']} for ResNet18)",
-                  f"or 100 with all; {cnn['m']} for the CNN, {resnet['m']} for ResNet18",
-                  f"(default: 0; {cnn['replay_batch']} for the CNN, {resnet['replay_batch']} for ResNet18)",
-                  f"{cnn['replay_noise']['dil']:g} for the CNN in DIL and ResNet18", "(default: off; on for ResNet18)",
-                  f"{rec['ce_weight']['cil']:g} in CIL, {cnn['ce_weight']['cil']:g} for the CNN in CIL",
+    for shown in [f"(default: {rec['n_rec']}; {cnn['n_rec']} for the CNN and AlexNet, {resnet['n_rec']} for ResNet18)",
+                  f"or 100 with all; {cnn['m']} for the CNN and AlexNet, {resnet['m']} for ResNet18",
+                  f"(default: 0; {cnn['replay_batch']} for the CNN and AlexNet, {resnet['replay_batch']} for ResNet18)",
+                  f"{cnn['replay_noise']['dil']:g} for the CNN and AlexNet in DIL and for ResNet18",
+                  "(default: off; on for ResNet18)",
+                  f"{rec['ce_weight']['cil']:g} in CIL, {cnn['ce_weight']['cil']:g} for the CNN and AlexNet in CIL",
                   f"theta - theta_0 (default: {rec['rec_target']})", "first seed (default: 0)",
                   f"(default: {rec['sigma_x']:g})", "classifies as their label (default: on)",
                   f"(default: {rec['replay_noise']:g}, 0 for GPM, {cnn['replay_noise']['dil']:g} for the CNN", f"{rec['ce_weight']['cil']:g} in CIL",
@@ -1471,6 +1472,7 @@ def test_help_gives_every_flag_a_meaning_and_the_presets_defaults():
     assert config.PRESETS["cil"]["gpm"][1]["replay_noise"] == 0.0  # "0 for GPM" is true in both scenarios
     assert config.PRESETS["dil"]["gpm"][1]["replay_noise"] == 0.0
     assert cnn["replay_noise"]["dil"] == resnet["replay_noise"] and resnet["backtrack"]  # "... and ResNet18", "on"
+    assert config.NETWORKS["alexnet"] == config.NETWORKS["cnn"]  # "for the CNN and AlexNet"
 
 
 def resolved(*flags, variant="recl", seed=0):
@@ -1523,6 +1525,8 @@ def test_each_network_runs_its_own_settings_unless_a_flag_or_the_paper_says_othe
     # ResNet18 replays at a fixed share and its reconstructions only descend (departures 9, 11)
     assert (resnet.m, resnet.n_rec, resnet.replay_batch, resnet.replay_noise, resnet.backtrack) == (10, 15, 32, 1.0, True)
     assert not resolved("--model", "resnet18", "--paper").backtrack and not cnn.backtrack
+    alexnet = resolved("--model", "alexnet", "--scenario", "dil")  # the CNN's column, chosen for it in DIL
+    assert dataclasses.replace(alexnet, model="cnn") == resolved("--model", "cnn", "--scenario", "dil")
 
 
 def test_a_networks_settings_sit_between_the_methods_and_the_flags(monkeypatch):
