@@ -2099,10 +2099,10 @@ def test_an_interrupted_run_all_stops_its_workers(tmp_path):
            "SCENARIOS": "cil", "RESULTS": str(tmp_path / "out")}
     run_all = subprocess.Popen(["bash", str(HERE / "run_all.sh")], env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, cwd=HERE)
-    workers = []
-    while len(workers) < 2:  # each read waits for a worker to write; no timing involved
-        with open(pipe) as announced:
-            workers += [int(pid) for pid in announced.read().split()]
+    # opened for writing too, the pipe never reads as ended between the two workers' writes:
+    # each readline waits for a worker to write, and nothing written can be lost
+    with os.fdopen(os.open(pipe, os.O_RDWR)) as announced:
+        workers = [int(announced.readline()) for _ in range(2)]
     run_all.send_signal(signal.SIGTERM)
     _, err = run_all.communicate(timeout=60)
     assert run_all.returncode == 130 and "interrupted; finished runs are saved" in err
