@@ -163,16 +163,17 @@ def reconstruct(model, labels, input_shape, cfg, log=print, objective=paper_obje
         losses.append(loss.item())
         if step == 0:
             first_terms = {k: v.detach() for k, v in terms.items()}
-        # departure 11; the pass after an undo rescores the restored state, which a GPU may not repeat exactly
-        if cfg.backtrack and best is not None and not undone and not losses[-1] <= best[0]:
-            with torch.no_grad():  # undo the step that raised the loss, with the momentum that made it,
-                x.copy_(best[1]), lam.copy_(best[2])
-            for opt in (opt_x, opt_lam):  # and take half as long steps from here on
+        # departure 11: undo a step that raised the loss (the pass after an undo only rescores
+        # the restored state, which a GPU may not repeat bit for bit, so it is not judged)
+        undone = cfg.backtrack and best is not None and not undone and not losses[-1] <= best[0]
+        if undone:
+            with torch.no_grad():  # back to the best state, without the momentum that left it,
+                x.copy_(best[1])
+                lam.copy_(best[2])
+            for opt in (opt_x, opt_lam):  # and half as long steps from here on
                 opt.state.clear()
                 opt.param_groups[0]["lr"] /= 2
-            losses[-1], undone, backtracks = best[0], True, backtracks + 1  # the state held is the best one
-        else:
-            undone = False
+            losses[-1], backtracks = best[0], backtracks + 1  # the state held is the best one
         if step and step % max(1, cfg.n_rec // 4) == 0 and step < cfg.n_rec:  # progress at each quarter
             log(f"    step {step}/{cfg.n_rec}: loss {losses[-1]:.4g}")
         if undone:

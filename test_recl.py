@@ -533,12 +533,10 @@ def test_adam_moves_each_candidate_pixel_and_lambda_by_about_its_step_size():
     assert torch.allclose((lam - start[1]).abs(), torch.tensor(0.02), rtol=1e-3)  # the lambdas' too
 
 
-def test_adam_fits_where_the_lambdas_sgd_step_overflows():
-    """ResNet18's divergence in miniature (docs/networks.md): with tiny running variances the
-    margins' gradients are huge, and so is the gradient of L_rec in each lambda. SGD's step
-    follows it and overflows in a few steps; Adam, at its default lr_lambda, moves each lambda
-    by about that and the loss falls."""
-    model, labels = small_batch_norm_net(), torch.tensor([0, 1, 2]).repeat(4)
+def overflowing_batch_norm_net():
+    """A small batch-norm net with a displacement to fit and tiny running variances: its
+    margins' gradients are huge, as ResNet18's were when its reconstructions diverged."""
+    model = small_batch_norm_net()
     models.remember_start(model)
     with torch.no_grad():
         for p in model.parameters():
@@ -546,7 +544,15 @@ def test_adam_fits_where_the_lambdas_sgd_step_overflows():
         for layer in model.modules():
             if isinstance(layer, nn.BatchNorm2d):
                 layer.running_var.mul_(1e-4)
-    model.eval()
+    return model.eval()
+
+
+def test_adam_fits_where_the_lambdas_sgd_step_overflows():
+    """ResNet18's divergence in miniature (docs/networks.md): with tiny running variances the
+    margins' gradients are huge, and so is the gradient of L_rec in each lambda. SGD's step
+    follows it and overflows in a few steps; Adam, at its default lr_lambda, moves each lambda
+    by about that and the loss falls."""
+    model, labels = overflowing_batch_norm_net(), torch.tensor([0, 1, 2]).repeat(4)
     _, _, sgd = step1(model, labels, (1, 8, 8), run_config(rec_optimizer="sgd", lr_x=1e-6, lr_lambda=0.1, n_rec=20, m=4))
     assert sgd["failed"].startswith("diverged at step") and sgd["kept_loss"] == sgd["first_loss"]
     _, _, adam = step1(model, labels, (1, 8, 8), run_config(rec_optimizer="adam", lr_x=1e-3, n_rec=20, m=4))
@@ -557,15 +563,7 @@ def test_adam_fits_where_the_lambdas_sgd_step_overflows():
 def test_backtracking_turns_a_diverging_reconstruction_into_one_that_descends(optimizer, lr_x, lr_lambda):
     """Departure 11: the settings above that overflow or overshoot (flagged, the start handed back)
     end below their start, unflagged, once a step that raises the loss is undone and halved."""
-    model, labels = small_batch_norm_net(), torch.tensor([0, 1, 2]).repeat(4)
-    models.remember_start(model)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-        for layer in model.modules():
-            if isinstance(layer, nn.BatchNorm2d):
-                layer.running_var.mul_(1e-4)
-    model.eval()
+    model, labels = overflowing_batch_norm_net(), torch.tensor([0, 1, 2]).repeat(4)
     settings = dict(rec_optimizer=optimizer, lr_x=lr_x, lr_lambda=lr_lambda, n_rec=40, m=4)
     _, _, plain = step1(model, labels, (1, 8, 8), run_config(**settings))
     x, _, report = step1(model, labels, (1, 8, 8), run_config(**settings, backtrack=True))
