@@ -98,6 +98,7 @@ RECONSTRUCTION = {
     "rec_optimizer": "sgd",                # departure 6: "adam" for the conv nets (NETWORKS)
     "replay_batch": 0,                     # departure 9: 0 joins the reconstructions to the task's data
     "backtrack": False,                    # departure 11
+    "rec_distance": "l2",                  # departure 12
     "rec_precision": "auto", "tuning": "naive", "trials": None,
 }
 # The candidates' step size depends on what their loss is: the displacement
@@ -141,9 +142,9 @@ NETWORKS = {
 }
 # `--paper`: the paper as written. Every departure off, and the method's own training budget.
 PAPER = {"rec_target": "weights", "freeze_old": False, "filter": False, "replay_noise": 0.0, "ce_weight": 0.0,
-         "rec_optimizer": "sgd", "replay_batch": 0, "ce_scope": "all", "backtrack": False}
+         "rec_optimizer": "sgd", "replay_batch": 0, "ce_scope": "all", "backtrack": False, "rec_distance": "l2"}
 # The inversion control has no lambdas, no stationarity target and no added cross-entropy.
-NOT_FOR_INVERSION = ("lr_lambda", "lambda_min", "rec_target", "ce_weight")
+NOT_FOR_INVERSION = ("lr_lambda", "lambda_min", "rec_target", "ce_weight", "rec_distance")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +168,7 @@ class Config:
     epochs: int = 20
     batch_size: int = 64
     ce_scope: str = "all"                  # departure 8: "new" or "local" (recl.py part 1)
+    weight_decay: float = 0.0              # for the method alone too
     hp: dict = dataclasses.field(default_factory=dict)  # the method's own hyperparameters
     # reconstruction (Step 1) and replay (Step 2)
     m: int | None = None
@@ -184,6 +186,7 @@ class Config:
     rec_optimizer: str | None = None       # departure 6
     replay_batch: int | None = None        # departure 9
     backtrack: bool | None = None          # departure 11
+    rec_distance: str | None = None        # departure 12
     rec_precision: str | None = None
     tuning: str | None = None
     trials: int | None = None
@@ -198,6 +201,7 @@ NOT_IN_DIGEST = ("seed", "device", "data_root")
 # Settings added after runs were shipped, at the value those runs used: left out of the
 # digest while they have it, so that the earlier results keep their names.
 ADDED_LATER = {"ce_scope": "all", "rec_optimizer": "sgd", "replay_batch": 0, "backtrack": False,
+               "weight_decay": 0.0, "rec_distance": "l2",
                # retired: departures 7 and 10, tried and removed; records still hold them
                "bn_weight": 0.0, "stats_weight": 0.0, "tv_weight": 0.0, "jitter": 0}
 
@@ -262,6 +266,7 @@ def resolve(args, seed, variant):
               "data_root": args.data_root or "data", "batch_size": args.batch_size, "device": device,
               "lr": given.get("lr", chosen["lr"]), "epochs": given.get("epochs", chosen["epochs"]),
               "ce_scope": given.get("ce_scope", PAPER["ce_scope"] if paper else chosen.get("ce_scope", "all")),
+              "weight_decay": given.get("weight_decay", chosen.get("weight_decay", 0.0)),
               "hp": {**{k: chosen[k] for k in strategies.defaults(args.method)}, **dict(args.hp)}}
     if variant != "base":
         rec = {**in_scenario(RECONSTRUCTION, args.scenario), "m": args.n_per_class or 100}
@@ -297,11 +302,12 @@ def describe(cfg):
     text = (f"{variant_name(cfg.method, cfg.variant)} | {cfg.scenario} | {cfg.dataset}{split} | {cfg.model} | "
             f"seed {cfg.seed} | {cfg.device} | {cfg.n_per_class or 'all'} per class, {cfg.classes_per_task} "
             f"per task | lr {cfg.lr:g}, {cfg.epochs} epochs, batch {cfg.batch_size}"
-            + {"all": "", "new": ", CE over the new classes", "local": ", local CE"}[cfg.ce_scope])
+            + {"all": "", "new": ", CE over the new classes", "local": ", local CE"}[cfg.ce_scope]
+            + (f", weight decay {cfg.weight_decay:g}" if cfg.weight_decay else ""))
     text += "".join(f", {k} {v:g}" for k, v in cfg.hp.items())
     if cfg.variant != "base":
         shown = ["m", "n_rec", "sigma_x", "lr_x", "lr_lambda", "lambda_min", "alpha", "rec_target", "ce_weight",
-                 "rec_optimizer", "replay_noise", "replay_batch", "backtrack", "freeze_old", "filter",
+                 "rec_optimizer", "rec_distance", "replay_noise", "replay_batch", "backtrack", "freeze_old", "filter",
                  "rec_precision", "tuning", "trials"]
         values = [f"{k} {getattr(cfg, k):g}" if isinstance(getattr(cfg, k), float) else f"{k} {getattr(cfg, k)}"
                   for k in shown if getattr(cfg, k) is not None]
@@ -340,7 +346,7 @@ def method_hyperparameter(text):
 
 # Flags that only the +ReCL variants use, by their config names.
 RECL_FLAGS = ["m", "n_rec", "sigma_x", "lr_x", "lr_lambda", "lambda_min", "alpha", "rec_target", "freeze_old",
-              "filter", "replay_noise", "replay_batch", "backtrack", "ce_weight", "rec_optimizer",
+              "filter", "replay_noise", "replay_batch", "backtrack", "ce_weight", "rec_optimizer", "rec_distance",
               "rec_precision", "tuning", "trials", "paper", "rec_objective", "save_images"]
 
 
@@ -396,6 +402,8 @@ def make_parser(prog="recl.py", description=DESCRIPTION):
                         "only, so that they never push down old classes, or local: also replayed rows over the old "
                         "classes only, and old against new learned by the head alone (default: all; local for "
                         "the CNN's and AlexNet's +ReCL, except ER's)")
+    g.add_argument("--weight-decay", type=float, help="L2 weight decay in training, the method alone's too "
+                   "(default: 0)")
     p.add_argument("--hp", type=method_hyperparameter, action="append", default=[], metavar="KEY=VALUE",
                    help="a method hyperparameter, e.g. --hp ewc_lambda=1000 (default: PRESETS)")
     g = p.add_argument_group("reconstruction (the +ReCL variant only; defaults: config.RECONSTRUCTION)")
@@ -427,6 +435,8 @@ def make_parser(prog="recl.py", description=DESCRIPTION):
                    "for ResNet18)")
     g.add_argument("--backtrack", action=argparse.BooleanOptionalAction, help="a reconstruction step that raises "
                    "the loss is undone and the step sizes halved (default: off; on for ResNet18)")
+    g.add_argument("--rec-distance", choices=["l2", "cosine"], help="Eq. 3's fit: the squared distance, as the "
+                   "paper, or 1 - cosine, the direction only (default: l2)")
     g.add_argument("--ce-weight", type=float, help="weight of inversion's cross-entropy added to Eq. 6 "
                    "(default: 0.0003 in CIL, 0.03 for the CNN and AlexNet in CIL, 0 in DIL)")
     g.add_argument("--rec-optimizer", choices=["sgd", "adam"],
@@ -468,7 +478,8 @@ def check(args, probe_out=True):
     for flag, value in positive.items():
         if value is not None and not (math.isfinite(value) and value > 0):
             raise UsageError(f"--{flag} must be a positive finite number, got {value}")
-    for flag, value in (("replay-noise", args.replay_noise), ("ce-weight", args.ce_weight)):
+    for flag, value in (("replay-noise", args.replay_noise), ("ce-weight", args.ce_weight),
+                        ("weight-decay", args.weight_decay)):
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise UsageError(f"--{flag} must be a finite number >= 0, got {value}")
     if args.replay_batch is not None and args.replay_batch < 0:

@@ -101,12 +101,17 @@ def image_prior(x):
     return F.relu(x.abs() - 1).pow(2).sum()
 
 
-def stationarity_loss(model, params, labels, target, lambda_min, m=None, scale=1.0):
+def squared_distance(target, combination):
+    """Eq. 3's fit: the squared distance over every parameter tensor."""
+    return sum((target[k] - combination[k]).pow(2).sum() for k in target)
+
+
+def stationarity_loss(model, params, labels, target, lambda_min, m=None, scale=1.0, distance=squared_distance):
     """L_full (Eq. 6) as a function of the candidates x and their lambdas: Eq. 3-5 by name.
-    `target` is theta in Eq. 3; departures 1 and 2 below pass another."""
+    `target` is theta in Eq. 3; departures 1 and 2 below pass another, and 12 another distance."""
     def loss(x, lam):
         combination = weighted_gradient_sum(model, params, x, labels, lam, m)
-        return {"rec": scale * sum((target[k] - combination[k]).pow(2).sum() for k in params),  # Eq. 3
+        return {"rec": scale * distance(target, combination),                                    # Eq. 3
                 "lambda": 5 * F.relu(lambda_min - lam).pow(2).sum(),                             # Eq. 4
                 "prior": image_prior(x)}                                                          # Eq. 5
     return loss
@@ -279,6 +284,14 @@ def reconstruction_target(params, start, target):
     return displacement, 1.0 / sum(v.pow(2).sum() for v in displacement.values()).clamp_min(1e-30)
 
 
+def cosine_distance(target, combination):
+    """Departure 12: 1 - the cosine between target and combination, all parameters as one
+    vector. It asks only that they point the same way, as gradient inversion does."""
+    dot = sum((target[k] * combination[k]).sum() for k in target)
+    squared_norm = lambda tensors: sum(v.pow(2).sum() for v in tensors.values())
+    return 1 - dot / (squared_norm(target) * squared_norm(combination)).clamp_min(1e-30).sqrt()
+
+
 def keep_earlier(x, lam, labels, earlier_x, earlier_labels, earlier_lam):
     """Departure 2: put each class's earlier reconstructions, with their lambdas, into the
     first slots of that class. Returns the candidates, their lambdas and a mask of the
@@ -319,7 +332,9 @@ def objective_of(model, fixed=None, m=None):
             if fixed is not None:  # their share of Eq. 3's sum never changes: subtract it once
                 share = weighted_gradient_sum(net, params, *fixed, m)
                 target = {k: target[k] - share[k] for k in target}
-            eq6 = stationarity_loss(net, params, labels, target, cfg.lambda_min, m, scale)
+            cosine = cfg.rec_distance == "cosine"  # departure 12: the direction only, whatever the scale
+            eq6 = stationarity_loss(net, params, labels, target, cfg.lambda_min, m, 1.0 if cosine else scale,
+                                    cosine_distance if cosine else squared_distance)
             weight = cfg.ce_weight  # departure 5
             loss = eq6 if not weight else lambda x, lam: {
                 **eq6(x, lam), "ce": weight * inversion_losses(net, params, x, labels)["ce"]}
@@ -457,6 +472,10 @@ def train_task(model, x, y, hooks, state, cfg, n_replayed=0, n_old_classes=0):
                 loss = loss + hooks["extra_loss"](model, xb, yb, logits, state)
             optimizer.zero_grad()
             loss.backward()
+            if cfg.weight_decay:  # the gradient of wd/2 ||theta||^2, which GPM's projection then sees too
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.add_(p.detach(), alpha=cfg.weight_decay)
             if "after_backward" in hooks:
                 hooks["after_backward"](model, state)
             optimizer.step()
