@@ -1457,7 +1457,7 @@ def test_help_gives_every_flag_a_meaning_and_the_presets_defaults():
                   f"or 100 with all; {cnn['m']} for the CNN and AlexNet, {resnet['m']} for ResNet18",
                   f"(default: 0; {cnn['replay_batch']} for the CNN and AlexNet, {resnet['replay_batch']} for ResNet18)",
                   f"{cnn['replay_noise']['dil']:g} for the CNN and AlexNet in DIL and for ResNet18",
-                  "(default: off; on for ResNet18)",
+                  "(default: off; on for AlexNet and ResNet18)", "(default: PRESETS; AlexNet's +ReCL: the method alone's)",
                   f"{rec['ce_weight']['cil']:g} in CIL, {cnn['ce_weight']['cil']:g} for the CNN and AlexNet in CIL",
                   f"theta - theta_0 (default: {rec['rec_target']})", "first seed (default: 0)",
                   f"(default: {rec['sigma_x']:g})", "classifies as their label (default: on)",
@@ -1470,7 +1470,8 @@ def test_help_gives_every_flag_a_meaning_and_the_presets_defaults():
     assert config.PRESETS["cil"]["gpm"][1]["replay_noise"] == 0.0  # "0 for GPM" is true in both scenarios
     assert config.PRESETS["dil"]["gpm"][1]["replay_noise"] == 0.0
     assert cnn["replay_noise"]["dil"] == resnet["replay_noise"] and resnet["backtrack"]  # "... and ResNet18", "on"
-    assert config.NETWORKS["alexnet"] == config.NETWORKS["cnn"]  # "for the CNN and AlexNet"
+    alexnet = config.NETWORKS["alexnet"]  # "for the CNN and AlexNet", "on for AlexNet", "AlexNet's +ReCL"
+    assert alexnet[0] == {} and alexnet[1] == {**cnn, "backtrack": True} and config.ALONE_BUDGET == ("alexnet",)
 
 
 def resolved(*flags, variant="recl", seed=0):
@@ -1523,8 +1524,15 @@ def test_each_network_runs_its_own_settings_unless_a_flag_or_the_paper_says_othe
     # ResNet18 replays at a fixed share and its reconstructions only descend (departures 9, 11)
     assert (resnet.m, resnet.n_rec, resnet.replay_batch, resnet.replay_noise, resnet.backtrack) == (10, 15, 32, 1.0, True)
     assert not resolved("--model", "resnet18", "--paper").backtrack and not cnn.backtrack
-    alexnet = resolved("--model", "alexnet", "--scenario", "dil")  # the CNN's column, chosen for it in DIL
-    assert dataclasses.replace(alexnet, model="cnn") == resolved("--model", "cnn", "--scenario", "dil")
+    # AlexNet takes the CNN's column, chosen for it in DIL, but trains at the method alone's budget
+    alexnet = resolved("--model", "alexnet", "--scenario", "dil")
+    alone = resolved("--model", "alexnet", "--scenario", "dil", variant="base")
+    assert (alexnet.lr, alexnet.epochs) == (alone.lr, alone.epochs) != (resolved("--scenario", "dil").lr, 20)
+    assert dataclasses.replace(alexnet, model="cnn", lr=0.05, epochs=20, backtrack=False) == resolved(
+        "--model", "cnn", "--scenario", "dil")
+    assert resolved("--model", "alexnet", "--scenario", "dil", "--lr", "0.2").lr == 0.2  # a flag still wins
+    gpm = resolved("--model", "alexnet", "--method", "gpm")  # what a method's +ReCL column says beside its budget stays
+    assert (gpm.replay_noise, gpm.lr) == (0.0, resolved("--model", "alexnet", "--method", "gpm", variant="base").lr)
 
 
 def test_a_networks_settings_sit_between_the_methods_and_the_flags(monkeypatch):
