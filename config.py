@@ -5,8 +5,9 @@ places, in this order, and nowhere else:
 
     1. PRESETS below: per scenario and method, what the method alone trains
        with and what its +ReCL variant changes; NETWORKS: what a network
-       changes in both; RECONSTRUCTION: Step 1's settings; PAPER: what
-       `--paper` puts back.
+       changes in both (and ALONE_BUDGET: the networks whose +ReCL variant
+       trains as the method alone); RECONSTRUCTION: Step 1's settings; PAPER:
+       what `--paper` puts back.
     2. the flags given on the command line (a flag always wins);
     3. the machine, for `--rec-precision auto` and `--device auto` only.
 
@@ -55,7 +56,8 @@ VARIANTS = ["base", "recl", "inversion"]  # the method alone, +ReCL, +ReCL's pip
 #
 # The +ReCL column lists only what the +ReCL variant changes. ReCL reads the
 # old data out of the weights, so it needs a network that has fitted its
-# tasks: most +ReCL variants train harder than the method alone. GPM replays
+# tasks: most +ReCL variants train harder than the method alone (not on AlexNet,
+# ALONE_BUDGET below). GPM replays
 # without noise: its projection lets a layer learn only outside the input
 # space of old tasks, so noisy replay would train directions real images never use. ER scores
 # its own images over all classes (departure 8 off) on any network: its memory of real images
@@ -126,9 +128,9 @@ NETWORKS = {
                  "ce_weight": {"cil": 0.03, "dil": 0.0}}),
     # AlexNet takes the CNN's column, with backtracking (departure 11), at the method alone's training budget
     # (ALONE_BUDGET below). Finetune, DIL, validation, 5 seeds: 69.2, against 68.7 at the +ReCL budget and
-    # 67.8 alone, all within the seeds' spread; at 60% of the time, and no reconstruction flagged (2 of 20
-    # without backtracking). The MLP's settings were level at 4 times the time. CIL: the CNN's choice,
-    # untried on AlexNet (docs/networks.md, "Fourth round").
+    # 67.8 alone, all within the seeds' spread; at 60% of the time, and no reconstruction flagged (4 of 20
+    # without backtracking). The MLP's settings were level on 2 seeds at about 8 times the time. CIL: the
+    # CNN's choice (docs/networks.md, "Fourth round").
     "alexnet": ({}, {"rec_optimizer": "adam", "m": 20, "n_rec": 30, "replay_batch": 64,
                      "replay_noise": {"cil": 2.5, "dil": 1.0}, "ce_scope": {"cil": "local", "dil": "all"},
                      "ce_weight": {"cil": 0.03, "dil": 0.0}, "backtrack": True}),
@@ -140,8 +142,10 @@ NETWORKS = {
     "resnet18": ({}, {"rec_optimizer": "adam", "lr_x": 1e-3, "m": 10, "n_rec": 15, "replay_batch": 32,
                       "replay_noise": 1.0, "backtrack": True}),
 }
-# Networks whose +ReCL variant trains at the method alone's budget (its lr and epochs), not at the
-# +ReCL budget of PRESETS' second column: on AlexNet the harder training bought nothing and cost time.
+# Networks whose +ReCL (and +inversion) variant trains as the method alone: its lr, epochs and
+# hyperparameters, not those of PRESETS' second column, of which only the replay's settings apply
+# (GPM's noise, ER's CE). ReCL then only adds data. On AlexNet the harder training bought nothing
+# and cost time.
 ALONE_BUDGET = ("alexnet",)
 # `--paper`: the paper as written. Every departure off, and the method's own training budget.
 PAPER = {"rec_target": "weights", "freeze_old": False, "filter": False, "replay_noise": 0.0, "ce_weight": 0.0,
@@ -245,11 +249,12 @@ def preset(scenario, method, variant, model="mlp"):
     the method alone (PRESETS, then the network's NETWORKS column), then, for a +ReCL variant,
     what it changes (the network's NETWORKS column, then the method's own in PRESETS, which is
     the more specific: GPM replays without noise on any network; on a network in ALONE_BUDGET
-    without its lr and epochs)."""
+    without its lr, epochs and method hyperparameters)."""
     alone, recl_changes = PRESETS.get(scenario, {}).get(method, ({}, {}))
     net_alone, net_recl = NETWORKS[model]
-    if model in ALONE_BUDGET:  # the method's +ReCL changes, less its training budget
-        recl_changes = {k: v for k, v in (recl_changes or {}).items() if k not in ("lr", "epochs")}
+    if model in ALONE_BUDGET:  # the method's +ReCL changes, less how hard and with what it trains
+        training = {"lr", "epochs", *strategies.defaults(method)}
+        recl_changes = {k: v for k, v in (recl_changes or {}).items() if k not in training}
     chosen = {**DEFAULT_TRAINING, **strategies.defaults(method), **alone, **in_scenario(net_alone, scenario)}
     return {**chosen, **in_scenario(net_recl, scenario), **(recl_changes or {})} if variant != "base" else chosen
 
@@ -392,9 +397,10 @@ def make_parser(prog="recl.py", description=DESCRIPTION):
     p.add_argument("--seeds", type=int, help="number of seeds, each its own class order and init (default: 1)")
     p.add_argument("--seed", type=int, default=0, help="first seed (default: 0)")
     g = p.add_argument_group("training")
-    g.add_argument("--epochs", type=int, help="epochs per task (default: PRESETS; AlexNet's +ReCL: the method "
-                                               "alone's)")
-    g.add_argument("--lr", type=float, help="SGD learning rate (default: PRESETS; AlexNet's +ReCL: the method alone's)")
+    g.add_argument("--epochs", type=int, help="epochs per task (default: PRESETS; AlexNet's +ReCL and "
+                                               "+inversion: the method alone's)")
+    g.add_argument("--lr", type=float, help="SGD learning rate (default: PRESETS; AlexNet's +ReCL and +inversion: "
+                                                 "the method alone's)")
     g.add_argument("--batch-size", type=int, default=64, help="training batch size (default: 64)")
     g.add_argument("--n-per-class", type=images_per_class, default=100,
                    help="training images per class, or 'all' (default: 100)")

@@ -211,13 +211,13 @@ def reconstruction_report(losses, best, first_terms, backtracks=0):
 # -----------------------------------------------------------------------------
 # Departures from the paper, and a control
 # -----------------------------------------------------------------------------
-# Departures 1-12, each behind a flag (`--paper` turns them all off;
-# docs/departures.md has why and the numbers). 1-5 are every run's defaults,
-# chosen on validation data; 6-12 were added for the conv nets: the CNN and
-# AlexNet take 6, 8 (local, in CIL; ER keeps CE over all classes) and 9 by
-# default, and 5 at a larger weight; AlexNet and ResNet18 take 11, ResNet18 6
-# and 9 too (config.NETWORKS, docs/networks.md); the MLP leaves 6-11 off.
-# 7, 10 and 12 lost and are gone:
+# Departures 1-12; the nine in use are each behind a flag (`--paper` turns them
+# all off; docs/departures.md has why and the numbers). 1-5 are every run's
+# defaults, chosen on validation data; 6-12 were tried for the conv nets, and
+# 7, 10 and 12 lost and are gone. By default (config.NETWORKS, docs/networks.md)
+# the CNN and AlexNet take 5 at a larger weight, 6, 8 (local, in CIL; ER keeps
+# CE over all classes) and 9; ResNet18 takes 6 and 9; AlexNet and ResNet18 take
+# 11; the MLP takes none of 6-11:
 #
 # 1. `--rec-target displacement`: L_rec fits theta - theta_0, what training
 #    added to the weights, relative to its size. Eq. 3 holds in the limit of

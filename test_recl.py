@@ -1457,7 +1457,7 @@ def test_help_gives_every_flag_a_meaning_and_the_presets_defaults():
                   f"or 100 with all; {cnn['m']} for the CNN and AlexNet, {resnet['m']} for ResNet18",
                   f"(default: 0; {cnn['replay_batch']} for the CNN and AlexNet, {resnet['replay_batch']} for ResNet18)",
                   f"{cnn['replay_noise']['dil']:g} for the CNN and AlexNet in DIL and for ResNet18",
-                  "(default: off; on for AlexNet and ResNet18)", "(default: PRESETS; AlexNet's +ReCL: the method alone's)",
+                  "(default: off; on for AlexNet and ResNet18)", "(default: PRESETS; AlexNet's +ReCL and +inversion: the method alone's)",
                   f"{rec['ce_weight']['cil']:g} in CIL, {cnn['ce_weight']['cil']:g} for the CNN and AlexNet in CIL",
                   f"theta - theta_0 (default: {rec['rec_target']})", "first seed (default: 0)",
                   f"(default: {rec['sigma_x']:g})", "classifies as their label (default: on)",
@@ -1531,8 +1531,13 @@ def test_each_network_runs_its_own_settings_unless_a_flag_or_the_paper_says_othe
     assert dataclasses.replace(alexnet, model="cnn", lr=0.05, epochs=20, backtrack=False) == resolved(
         "--model", "cnn", "--scenario", "dil")
     assert resolved("--model", "alexnet", "--scenario", "dil", "--lr", "0.2").lr == 0.2  # a flag still wins
-    gpm = resolved("--model", "alexnet", "--method", "gpm")  # what a method's +ReCL column says beside its budget stays
+    gpm = resolved("--model", "alexnet", "--method", "gpm")  # what a method's +ReCL column says of replay stays
     assert (gpm.replay_noise, gpm.lr) == (0.0, resolved("--model", "alexnet", "--method", "gpm", variant="base").lr)
+    for variant in ("recl", "inversion"):  # and EWC keeps its own lambda: it trains exactly as alone
+        ewc = resolved("--model", "alexnet", "--scenario", "dil", "--method", "ewc", variant=variant)
+        ewc_alone = resolved("--model", "alexnet", "--scenario", "dil", "--method", "ewc", variant="base")
+        assert (ewc.lr, ewc.epochs, ewc.hp) == (ewc_alone.lr, ewc_alone.epochs, ewc_alone.hp)
+    assert resolved("--model", "cnn", "--scenario", "dil", "--method", "ewc").hp != ewc_alone.hp  # elsewhere +ReCL's
 
 
 def test_a_networks_settings_sit_between_the_methods_and_the_flags(monkeypatch):
