@@ -130,7 +130,8 @@ NETWORKS = {
     # (ALONE_BUDGET below). Finetune, DIL, validation, 5 seeds: 69.2, against 68.7 at the +ReCL budget and
     # 67.8 alone, all within the seeds' spread; at 60% of the time, and no reconstruction flagged (4 of 20
     # without backtracking). The MLP's settings were level on 2 seeds at about 8 times the time. CIL
-    # (3 seeds): 36.7 against 16.8 alone; at the +ReCL budget one seed diverged (docs/networks.md, "Fourth round").
+    # (3 seeds): 36.7 against 16.8 alone; at the +ReCL budget one seed collapsed and one diverged
+    # (docs/networks.md, "Fourth round").
     "alexnet": ({}, {"rec_optimizer": "adam", "m": 20, "n_rec": 30, "replay_batch": 64,
                      "replay_noise": {"cil": 2.5, "dil": 1.0}, "ce_scope": {"cil": "local", "dil": "all"},
                      "ce_weight": {"cil": 0.03, "dil": 0.0}, "backtrack": True}),
