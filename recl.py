@@ -378,6 +378,15 @@ def accuracy(model, x, y, batch_size=1000):
 # 3. The continual-learning loop
 # =============================================================================
 
+def unexplained(report, cfg):
+    """For the log: with the displacement target L_rec is relative, so the kept L_rec is the
+    share of theta - theta_0 that Eq. 3's combination leaves unexplained (1: none of it
+    explained, as with every lambda at 0; above 1: worse than that)."""
+    if cfg.variant != "recl" or cfg.rec_target != "displacement":
+        return ""
+    return f", Eq. 3 leaves {report['kept_terms']['rec']:.0%} of theta - theta_0 unexplained"
+
+
 class Diverged(Exception):
     """Training produced a non-finite loss; the run's numbers would be meaningless."""
 
@@ -510,7 +519,7 @@ def run_continual(cfg, tasks, log=print, judge=None, mean_image=None):
             reconstructions.append({"task": t + 1, **report, "kept": len(x_rec),
                                     "seconds": round(time.time() - start, 2)})
             log(f"  [{name}] task {t + 1}: reconstructed {len(x_rec)}/{report['candidates']}, "
-                f"loss {report['first_loss']:.4g} -> {report['kept_loss']:.4g}"
+                f"loss {report['first_loss']:.4g} -> {report['kept_loss']:.4g}" + unexplained(report, cfg)
                 + (f", FLAGGED: {report['failed']} (kept its lowest-loss candidates)" if report["failed"] else ""))
             if judge and len(x_rec):
                 recon_quality.append(judge(tasks[:t], x_rec))

@@ -193,6 +193,26 @@ def test_targets_are_the_weights_or_the_displacement_relative_to_its_size():
     assert float(scale) == pytest.approx(1 / (0.25 * n))
 
 
+def test_relative_rec_term_is_the_share_of_the_displacement_left_unexplained():
+    # what the log's "Eq. 3 leaves X% unexplained" reads: 100% when no combination is
+    # made (every lambda 0), 0% when the combination is the displacement itself
+    torch.manual_seed(0)
+    model = models.remember_start(models.MLP(4, 2, hidden=3))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x, labels = torch.randn(5, 4), torch.tensor([0, 1, 0, 1, 0])
+    lam = torch.rand(5)
+    combination = recl.weighted_gradient_sum(model, params, x, labels, lam)
+    start = {k: params[k] - combination[k] for k in params}  # theta - theta_0 is exactly that combination
+    target, scale = recl.reconstruction_target(params, start, "displacement")
+    loss = recl.stationarity_loss(model, params, labels, target, 0.0, scale=scale)
+    assert float(loss(x, torch.zeros(5))["rec"]) == pytest.approx(1.0)
+    assert float(loss(x, lam)["rec"]) == pytest.approx(0.0, abs=1e-6)
+    report = {"kept_terms": {"rec": float(loss(x, 0.5 * lam)["rec"])}}
+    assert report["kept_terms"]["rec"] == pytest.approx(0.25, rel=1e-4)  # half the combination: a quarter left
+    assert recl.unexplained(report, run_config(rec_target="displacement")).endswith("25% of theta - theta_0 unexplained")
+    assert recl.unexplained(report, run_config(rec_target="weights")) == ""
+
+
 def test_displacement_target_needs_the_initial_weights():
     model = models.MLP(16, 2, hidden=8)  # built directly: no theta_0 remembered
     with pytest.raises(ValueError, match="initial weights"):
