@@ -380,9 +380,10 @@ def accuracy(model, x, y, batch_size=1000):
 
 def unexplained(report, cfg):
     """For the log: with the displacement target L_rec is relative, so the kept L_rec is the
-    share of theta - theta_0 that Eq. 3's combination leaves unexplained (1: none of it
-    explained, as with every lambda at 0; above 1: worse than that)."""
-    if cfg.variant != "recl" or cfg.rec_target != "displacement":
+    share of theta - theta_0 that Eq. 3's combination of all the candidates (those kept fixed
+    too, before the filter) leaves unexplained: 1 when it explains none of it, as with every
+    lambda at 0; above 1, worse than that. (The inversion control has no target.)"""
+    if cfg.rec_target != "displacement":
         return ""
     return f", Eq. 3 leaves {report['kept_terms']['rec']:.0%} of theta - theta_0 unexplained"
 

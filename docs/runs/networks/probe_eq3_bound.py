@@ -16,8 +16,9 @@ For ResNet18 also the share of the displacement along each conv layer's own weig
     PYTHONPATH=. python docs/runs/networks/probe_eq3_bound.py [mlp cnn alexnet resnet18]
     PYTHONPATH=. python docs/runs/networks/probe_eq3_bound.py resnet18:200   # task 1 trained 200 epochs
 
-About 10 minutes on one CPU core (most of it ResNet18), 8 GB of memory for ResNet18's
-160 gradients.
+About 10 minutes on one CPU core for the four networks at their budgets (most of it
+ResNet18), and 8 GB of memory for ResNet18's 160 gradients; at 200 epochs ResNet18's
+training alone takes about 15 minutes more. Set OMP_NUM_THREADS to share the cores.
 """
 import sys
 
@@ -44,6 +45,19 @@ def margin_gradients(net, params, x, y, chunk=16):
     return torch.cat(rows)
 
 
+def gram(J, targets, chunk=1_000_000):
+    """G = J J^T and b = J v for each target v, summed in float64 a slice of weights at a time
+    (the shares are small differences of large sums; J itself stays float32)."""
+    G = torch.zeros(len(J), len(J), dtype=torch.float64)
+    bs = {k: torch.zeros(len(J), dtype=torch.float64) for k in targets}
+    for i in range(0, J.shape[1], chunk):
+        Jc = J[:, i:i + chunk].double()
+        G += Jc @ Jc.T
+        for k, v in targets.items():
+            bs[k] += Jc @ v[i:i + chunk].double()
+    return G, bs
+
+
 def nnls_share(G, b, vv, iters=20000):
     """min over lambda >= 0 of |v - J^T lambda|^2 / |v|^2, with G = J J^T, b = J v, vv = |v|^2
     (accelerated projected gradient; the problem is convex and 160-dimensional)."""
@@ -60,9 +74,11 @@ def nnls_share(G, b, vv, iters=20000):
 
 
 def free_share(G, b, vv):
-    """The same with lambdas of any sign: least squares."""
-    lam = torch.linalg.lstsq(G.double(), b.double()[:, None], rcond=None).solution[:, 0]
-    return float((vv - lam @ b.double()) / vv)
+    """The same with lambdas of any sign: least squares (the full quadratic, so that an
+    inexact solve can only overstate what is left, never understate it)."""
+    G, b = G.double(), b.double()
+    lam = torch.linalg.lstsq(G, b[:, None], rcond=None).solution[:, 0]
+    return float((vv - 2 * lam @ b + lam @ G @ lam) / vv)
 
 
 def probe(model_name, epochs=None):
@@ -81,20 +97,32 @@ def probe(model_name, epochs=None):
     params = {k: v.detach() for k, v in net.named_parameters()}
     start = models.start_weights(model)
     J = margin_gradients(net, params, x, y)
-    G = J @ J.T
+    targets = {"displacement": flat({k: params[k] - start[k] for k in params}), "weights": flat(params)}
+    G, bs = gram(J, targets)
     out = {}
-    for name, v in (("displacement", flat({k: params[k] - start[k] for k in params})), ("weights", flat(params))):
-        b, vv = J @ v, float(v @ v)
-        nonneg, used = nnls_share(G, b, vv)
-        out[name] = (nonneg, used, free_share(G, b, vv))
+    for name, v in targets.items():
+        vv = float(v.double() @ v.double())
+        nonneg, used = nnls_share(G, bs[name], vv)
+        out[name] = (nonneg, used, free_share(G, bs[name], vv))
     line = (f"{model_name}, {cfg.epochs} epochs at lr {cfg.lr}: {len(x)} real points, {J.shape[1]:,} weights; theta - theta_0 left unexplained "
             f"{out['displacement'][0]:.1%} (lambda >= 0, {out['displacement'][1]} lambdas above 0), "
             f"{out['displacement'][2]:.1%} (free); theta left {out['weights'][0]:.1%} / {out['weights'][2]:.1%}")
-    if model_name == "resnet18":  # each conv feeds a batch norm: how much of d lies along w itself
+    if model_name == "resnet18":  # each conv feeds a batch norm: how much of d lies along w itself,
+        # and what is left when the gradients' parts along each conv layer's own weights are removed
         along = sum(float(((params[k] - start[k]) * params[k]).sum()) ** 2 / float(params[k].pow(2).sum())
                     for k in params if k.endswith(".weight") and params[k].dim() == 4)
-        d = flat({k: params[k] - start[k] for k in params})
+        d = targets["displacement"]
         line += f"; share of theta - theta_0 along the conv layers' own weights {along / float(d @ d):.1%}"
+        offset = 0
+        for k, p in params.items():
+            if k.endswith(".weight") and p.dim() == 4:
+                w = p.reshape(-1) / p.norm()
+                block = J[:, offset:offset + p.numel()]
+                block -= (block @ w)[:, None] * w[None]
+            offset += p.numel()
+        G, bs = gram(J, {"displacement": d})
+        line += (f"; with those parts of the gradients removed, theta - theta_0 left "
+                 f"{nnls_share(G, bs['displacement'], float(d.double() @ d.double()))[0]:.1%} (lambda >= 0)")
     del J, G
     x_rec, y_rec, lam, report = recl.reconstruct_old_data(model, tasks[:1], cfg, lambda *a: None)
     line += (f"; a reconstruction from noise ({cfg.m} per class, {cfg.n_rec} steps) leaves "
