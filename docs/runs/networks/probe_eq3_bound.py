@@ -11,7 +11,9 @@ candidates, from noise, can do no better than the data itself unless they find o
 Prints, per network, the share of theta - theta_0 (ReCL's target, departure 1) and of theta
 (Eq. 3 as written) left unexplained with lambda >= 0 and with free lambdas, and, for a
 reconstruction from noise at the network's settings, its kept L_rec (the same share).
-For ResNet18 also the share of the displacement along each conv layer's own weights.
+For ResNet18 also the share of the displacement along each conv filter (each output channel's
+weights, whose scale the batch norm after it ignores), and the share left when the gradients'
+parts along the filters are removed.
 
     PYTHONPATH=. python docs/runs/networks/probe_eq3_bound.py [mlp cnn alexnet resnet18]
     PYTHONPATH=. python docs/runs/networks/probe_eq3_bound.py resnet18:200   # task 1 trained 200 epochs
@@ -107,19 +109,20 @@ def probe(model_name, epochs=None):
     line = (f"{model_name}, {cfg.epochs} epochs at lr {cfg.lr}: {len(x)} real points, {J.shape[1]:,} weights; theta - theta_0 left unexplained "
             f"{out['displacement'][0]:.1%} (lambda >= 0, {out['displacement'][1]} lambdas above 0), "
             f"{out['displacement'][2]:.1%} (free); theta left {out['weights'][0]:.1%} / {out['weights'][2]:.1%}")
-    if model_name == "resnet18":  # each conv feeds a batch norm: how much of d lies along w itself,
-        # and what is left when the gradients' parts along each conv layer's own weights are removed
-        along = sum(float(((params[k] - start[k]) * params[k]).sum()) ** 2 / float(params[k].pow(2).sum())
-                    for k in params if k.endswith(".weight") and params[k].dim() == 4)
+    if model_name == "resnet18":  # each conv filter feeds a batch-norm channel, which ignores its scale:
+        # how much of d lies along the filters themselves, and what is left when the gradients'
+        # parts along them are removed
         d = targets["displacement"]
-        line += f"; share of theta - theta_0 along the conv layers' own weights {along / float(d @ d):.1%}"
-        offset = 0
+        along, offset = 0.0, 0
         for k, p in params.items():
             if k.endswith(".weight") and p.dim() == 4:
-                w = p.reshape(-1) / p.norm()
-                block = J[:, offset:offset + p.numel()]
-                block -= (block @ w)[:, None] * w[None]
+                filters = p.reshape(len(p), -1)
+                unit = filters / filters.norm(dim=1, keepdim=True)
+                along += float(((d[offset:offset + p.numel()].reshape(len(p), -1) * unit).sum(1) ** 2).sum())
+                block = J[:, offset:offset + p.numel()].view(len(J), len(p), -1)  # a view: edits J
+                block -= (block * unit[None]).sum(2, keepdim=True) * unit[None]
             offset += p.numel()
+        line += f"; share of theta - theta_0 along the conv filters themselves {along / float(d @ d):.1%}"
         G, bs = gram(J, {"displacement": d})
         line += (f"; with those parts of the gradients removed, theta - theta_0 left "
                  f"{nnls_share(G, bs['displacement'], float(d.double() @ d.double()))[0]:.1%} (lambda >= 0)")
