@@ -283,6 +283,16 @@ def reconstruction_target(params, start, target):
     return displacement, 1.0 / sum(v.pow(2).sum() for v in displacement.values()).clamp_min(1e-30)
 
 
+def unexplained(report, cfg):
+    """For the log: with the displacement target L_rec is relative, so the kept L_rec is the
+    share of theta - theta_0 that Eq. 3's combination of all the candidates (those kept fixed
+    too, before the filter) leaves unexplained: 1 when it explains none of it, as with every
+    lambda at 0; above 1, worse than that. (The inversion control has no target.)"""
+    if cfg.rec_target != "displacement":
+        return ""
+    return f", Eq. 3 leaves {report['kept_terms']['rec']:.0%} of theta - theta_0 unexplained"
+
+
 def keep_earlier(x, lam, labels, earlier_x, earlier_labels, earlier_lam):
     """Departure 2: put each class's earlier reconstructions, with their lambdas, into the
     first slots of that class. Returns the candidates, their lambdas and a mask of the
@@ -377,16 +387,6 @@ def accuracy(model, x, y, batch_size=1000):
 # =============================================================================
 # 3. The continual-learning loop
 # =============================================================================
-
-def unexplained(report, cfg):
-    """For the log: with the displacement target L_rec is relative, so the kept L_rec is the
-    share of theta - theta_0 that Eq. 3's combination of all the candidates (those kept fixed
-    too, before the filter) leaves unexplained: 1 when it explains none of it, as with every
-    lambda at 0; above 1, worse than that. (The inversion control has no target.)"""
-    if cfg.rec_target != "displacement":
-        return ""
-    return f", Eq. 3 leaves {report['kept_terms']['rec']:.0%} of theta - theta_0 unexplained"
-
 
 class Diverged(Exception):
     """Training produced a non-finite loss; the run's numbers would be meaningless."""
