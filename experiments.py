@@ -38,7 +38,9 @@ import judging
 import models
 import recl
 import strategies
-from config import METHODS, RunFailed, UsageError, variant_name, write_atomically, write_json_atomically
+import cli
+from cli import RunFailed, UsageError, write_atomically, write_json_atomically
+from config import METHODS, variant_name
 
 # =============================================================================
 # 1. For run_all.sh: which runs have no result yet, and workers that run them
@@ -80,19 +82,19 @@ def pending_runs(lines, say=lambda message: print(message, file=sys.stderr)):
             continue
         kind, argv = command
         value = lambda flag: argv[argv.index(flag) + 1:][:1] if flag in argv else []
-        unused = (config.RECL_FLAGS if value("--method") == ["joint"] or value("--variant") == ["base"]
-                  else config.NOT_FOR_INVERSION if value("--rec-objective") == ["inversion"] else ())
+        unused = (cli.RECL_FLAGS if value("--method") == ["joint"] or value("--variant") == ["base"]
+                  else cli.NOT_FOR_INVERSION if value("--rec-objective") == ["inversion"] else ())
         if kind == "tune":  # a search refuses what it does not search, but for this one
             unused = ()
         if value("--scenario") == ["dil"] or value("--method") == ["joint"]:
             unused = (*unused, "ce_scope")  # a class-incremental setting
         if unused:
-            kept = config.without_flags(argv, unused)
+            kept = cli.without_flags(argv, unused)
             words = shlex.split(line)
             line, argv = shlex.join(words[:len(words) - len(argv)] + kept), kept
         try:
-            args = (tune_parser() if kind == "tune" else config.make_parser()).parse_args(argv)
-            config.check(args, probe_out=False)
+            args = (tune_parser() if kind == "tune" else cli.make_parser()).parse_args(argv)
+            cli.check(args, probe_out=False)
         except UsageError:  # let the run itself say what is wrong
             todo.append(line)
             continue
@@ -137,7 +139,7 @@ def work_through_queue(folder):
             continue  # another worker has it
         kind, argv = command
         try:
-            recl.main(argv) if kind == "run" else tune(argv)
+            cli.main(argv) if kind == "run" else tune(argv)
         except Exception as err:  # noqa: BLE001 -- one bad run must not stop the others
             print(f"run_all: FAILED: {line}: {type(err).__name__}: {err}".replace("\n", " "), file=sys.stderr, flush=True)
             failed.append(line)
@@ -193,8 +195,7 @@ def method_rank(method):
 
 def differences(old, new):
     keys = sorted(set(old) | set(new), key=str)
-    same = lambda k: old.get(k) == new.get(k) or (  # a setting added later, at the value earlier runs had
-        k in config.ADDED_LATER and {old.get(k), new.get(k)} <= {None, config.ADDED_LATER[k]})
+    same = lambda k: old.get(k) == new.get(k)
     return ", ".join(f"{k} {new.get(k)}" for k in keys if k not in config.NOT_IN_DIGEST and not same(k))
 
 
@@ -238,7 +239,7 @@ def summary_table(records):
 
 
 def tuning_table(searches):
-    """Markdown: the setting each validation search chose, ready for config.PRESETS."""
+    """Markdown: the setting each validation search chose, ready for the method's rows in strategies.py."""
     rows = ["| dataset | scenario | method | chosen (validation) | val ACC | trials |", "|---|---|---|---|---|---|"]
     for r in sorted(searches, key=lambda r: (r["dataset"], r["scenario"], method_rank(r["method"].split("+")[0]))):
         best = max(r["trials"], key=trial_score)
@@ -389,15 +390,15 @@ def matrix_svg(records, dataset, scenario, method):
 def tune_method(cfg, trials, log=print):
     """Choose lr, epochs and the method's own hyperparameters on validation data.
 
-    Random search over strategies.TRAINING_GRID and SEARCH_GRID (`trials` draws
+    Random search over strategies.TRAINING_GRID and the method's grid (`trials` draws
     without repetition, seeded; recl.random_search), each draw scored by the ACC
     of the run `cfg` describes (with ReCL if its variant says so) on a split held
     out from the training images of seed cfg.seed. The test images are never
     loaded into the tasks this sees. Returns every trial, best first.
     """
-    tasks, _, mean_image, _ = recl.make_tasks(cfg)
-    config.check_tasks(tasks, cfg)
-    grid = {**strategies.TRAINING_GRID, **strategies.SEARCH_GRID.get(cfg.method, {})}
+    tasks, _, mean_image, _ = cli.make_tasks(cfg)
+    cli.check_tasks(tasks, cfg)
+    grid = {**strategies.TRAINING_GRID, **strategies.STRATEGIES[cfg.method]["grid"]}
     combos = list(itertools.product(*grid.values()))
     picks = torch.randperm(len(combos), generator=torch.Generator().manual_seed(cfg.seed))[:trials]
     candidates = [dict(zip(grid, combos[pick])) for pick in picks.tolist()]
@@ -438,9 +439,9 @@ def tuning_path(args):
 
 
 def tune_parser():
-    parser = config.make_parser("experiments.py tune", "Choose a method's lr, epochs and own hyperparameters on "
+    parser = cli.make_parser("experiments.py tune", "Choose a method's lr, epochs and own hyperparameters on "
                                 "a validation split of seed --seed (paper App. D.3): --draws settings from "
-                                "strategies.TRAINING_GRID and SEARCH_GRID, each scored by the validation ACC of "
+                                "strategies.TRAINING_GRID and the method's grid, each scored by the validation ACC of "
                                 "the method alone, or with --variant recl of its +ReCL variant. Takes recl.py's "
                                 "flags for everything else.")
     parser.add_argument("--draws", type=int, default=10, help="settings drawn from the grid (default: 10)")
@@ -455,13 +456,13 @@ def tune(argv, log=None):
     if args.save_images:
         raise UsageError("--save-images does not apply to tune: it keeps no run's reconstructions")
     args.variant = args.variant or "base"  # so that check refuses the +ReCL flags of a base search
-    config.check(args)
+    cli.check(args)
     if args.draws < 1:
         raise UsageError(f"--draws must be at least 1, got {args.draws}")
     for flag, value in (("lr", args.lr), ("epochs", args.epochs)):
         if value is not None:
             raise UsageError(f"tune chooses --{flag} itself; leave it out")
-    for key in strategies.SEARCH_GRID.get(args.method, {}):
+    for key in strategies.STRATEGIES[args.method]["grid"]:
         if key in args.hp:
             raise UsageError(f"tune chooses --hp {key} itself; leave it out")
     if args.validation:
@@ -476,7 +477,7 @@ def tune(argv, log=None):
     write_json_atomically(path, {"method": name, "scenario": cfg.scenario, "dataset": config.dataset_name(cfg.dataset),
                                  "seed": cfg.seed, "draws": args.draws, "trials": trials,
                                  "config": dataclasses.asdict(cfg),
-                                 "provenance": config.provenance()})
+                                 "provenance": cli.provenance()})
     best = trials[0]
     if best["val_ACC"] is None:
         raise RunFailed(f"{name} {cfg.scenario}: every trial diverged ({path})")
@@ -562,7 +563,7 @@ def reconstruction_problem(name, input_shape, m, device):
     model = trained_looking(name, input_shape, 10, device)
     net = models.with_smooth_relu(model, 100.0).eval()
     params = {k: v.detach() for k, v in net.named_parameters()}
-    target, scale = recl.reconstruction_target(params, models.start_weights(model), "displacement")
+    target, scale = recl.displacement_target(params, model)
     labels = torch.arange(10, device=device).repeat_interleave(m // 10)
     x = (1e-3 * torch.randn(len(labels), *input_shape, device=device)).requires_grad_()
     lam = torch.rand(len(labels), device=device).requires_grad_()
@@ -608,13 +609,13 @@ def reconstruction_step(name, input_shape, m, device, repeats, precision="float3
 
 def end_to_end(device, model="mlp", dataset="mnist", scenario="cil"):
     """Finetune and Finetune+ReCL, seed 0, one after the other, as the command line runs them."""
-    args = config.make_parser().parse_args(["--device", device.type, "--model", model, "--dataset", dataset,
+    args = cli.make_parser().parse_args(["--device", device.type, "--model", model, "--dataset", dataset,
                                             "--scenario", scenario])
-    config.check(args, probe_out=False)
+    cli.check(args, probe_out=False)
     runs = {}
     for variant in ("base", "recl"):
         run = config.resolve(args, 0, variant)
-        tasks, _, mean_image, _ = recl.make_tasks(run)
+        tasks, _, mean_image, _ = cli.make_tasks(run)
         judge = lambda old, x_rec: judging.report_reconstruction("", old, x_rec, run, mean_image, log=lambda *a: None)
         record = recl.run_continual(run, tasks, lambda *a: None, judge, mean_image)
         runs[variant_name("finetune", variant)] = {
@@ -625,7 +626,7 @@ def end_to_end(device, model="mlp", dataset="mnist", scenario="cil"):
 
 
 def benchmark(argv):
-    p = config.Parser(prog="experiments.py benchmark",
+    p = cli.Parser(prog="experiments.py benchmark",
                       description="What ReCL costs: a reconstruction step, and a whole run")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per step (median)")
@@ -651,11 +652,11 @@ def benchmark(argv):
         raise UsageError(f"--repeats must be at least 1, got {args.repeats}")
     if args.out and Path(args.out).is_dir():
         raise UsageError(f"--out {args.out} is a folder; it names the JSON file to write")
-    config.check_writable(Path(args.out).parent if args.out else Path("results"))
+    cli.check_writable(Path(args.out).parent if args.out else Path("results"))
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(args.device)
-    machine = config.provenance()
+    machine = cli.provenance()
     print(f"device {machine['device']}, {machine['threads']} threads, torch {machine['torch']}", flush=True)
 
     peak, peak_bf16 = matmul_peak(device), matmul_peak(device, torch.bfloat16)
@@ -738,8 +739,8 @@ VARIANT_ORDER = {"base": 0, "recl": 1, "inversion": 2}
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    p = config.Parser(prog="experiments.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True, parser_class=config.Parser)
+    p = cli.Parser(prog="experiments.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=cli.Parser)
     a = sub.add_parser("aggregate", help="the tables and charts of the runs in a folder")
     a.add_argument("folder")
     sub.add_parser("pending", help="which recl.py command lines on stdin have no result yet")
@@ -761,4 +762,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    config.run_from_command_line(main, "experiments.py")
+    cli.run_from_command_line(main, "experiments.py")

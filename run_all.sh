@@ -26,10 +26,14 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
+PYTHON=${PYTHON:-python}
 DATASETS=${DATASETS:-mnist}
 SCENARIOS=${SCENARIOS:-cil dil}
-ALL_METHODS="finetune ewc er upgd agem lwf gpm joint"  # config.METHODS (a test keeps them equal)
-ALL_DATASETS="mnist mnist-full fashion-mnist cifar10 tinyimagenet"  # data.DATASETS, the same
+# the methods and datasets the code knows (strategies.STRATEGIES, data.DATASETS)
+read -r ALL_METHODS ALL_DATASETS_LINE < <("$PYTHON" -c 'import config, data; print(",".join(config.METHODS), ",".join(data.DATASETS))') \
+  || { echo "run_all: $PYTHON cannot import the project (pip install -r requirements.txt)" >&2; exit 2; }
+ALL_METHODS=${ALL_METHODS//,/ }
+ALL_DATASETS=${ALL_DATASETS_LINE//,/ }
 METHODS=${METHODS:-$ALL_METHODS}
 VARIANTS=${VARIANTS:-base recl inversion}  # inversion: ReCL's pipeline with the model-inversion control
 SEEDS_GIVEN=${SEEDS:-}
@@ -37,7 +41,6 @@ SEEDS=${SEEDS:-5}
 JOBS=${JOBS:-1}
 TUNE=${TUNE:-0}
 DATA_ROOT=${DATA_ROOT:-data}
-PYTHON=${PYTHON:-python}
 EXTRA=("$@")
 refuse() { echo "run_all: $1" >&2; exit 2; }
 within() {  # within KNOB "VALUES" "ALLOWED": every value is one of the allowed words

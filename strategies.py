@@ -22,19 +22,12 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
 # What `python experiments.py tune` searches on a validation split carved from the
-# training data (never the test set): TRAINING_GRID for every method, SEARCH_GRID
-# for each method's own hyperparameters. What it chose is in config.PRESETS
+# training data (never the test set), for every method; each method's own grid is
+# in its entry at the end, and what the search chose is in its rows there
 # (docs/hyperparameters.md has how and when).
 TRAINING_GRID = {"lr": [0.01, 0.05, 0.1], "epochs": [10, 20, 40]}
-SEARCH_GRID = {  # the ER buffer size is a memory budget, fixed like the paper's, not tuned
-    "finetune": {}, "er": {},
-    "joint": {"epochs": [20, 40, 80, 160]},  # the bound gets time to fit all tasks (a training setting)
-    "ewc": {"ewc_lambda": [10.0, 100.0, 1000.0, 10000.0]},
-    "upgd": {"upgd_beta": [0.9, 0.99, 0.999], "upgd_sigma": [0.0001, 0.001, 0.01]},
-    "agem": {"agem_patterns_per_task": [25, 50, 100]},
-    "lwf": {"lwf_lambda": [0.5, 1.0, 2.0, 5.0], "lwf_temperature": [1.0, 2.0, 4.0]},
-    "gpm": {"gpm_threshold": [0.9, 0.95, 0.97, 0.99]},
-}
+# A +ReCL run with its departures (not --paper), for the rows at the end.
+RECL = {"variant": ("recl", "inversion"), "paper": False}
 
 
 def defaults(method):
@@ -286,26 +279,66 @@ def upgd_after_backward(model, state):
         p.grad = (p.grad + state["upgd_weight_decay"] * p.detach() + noise) * (1 - scaled)
 
 
-# Each method: its hooks, and each of its own hyperparameters as (literature
-# default, the range it must lie in, a test of that range). Adding a method is
-# its hooks above and one entry here.
+# Each method in one entry: its hooks; each of its own hyperparameters as (literature
+# default, the range it must lie in, a test of that range); its search grid for
+# `experiments.py tune`; and its rows, what it trains with, chosen on validation
+# splits (docs/hyperparameters.md), in config.resolve's form (when, what changes).
+# A +ReCL run trains harder than the method alone ("budget": "recl"): ReCL reads
+# back only what the network has fitted (docs/departures.md, "training budget").
+# GPM replays without noise: its projection lets a layer learn only outside the
+# old tasks' input space, where noise would train directions real images never use.
+# ER keeps CE over all classes: its memory of real images already teaches old
+# against new (docs/networks.md, "Third round").
 AT_LEAST_0 = (">= 0", lambda v: v >= 0)
 POSITIVE = ("> 0", lambda v: v > 0)
 FRACTION = ("in (0, 1]", lambda v: 0 < v <= 1)
+CIL, DIL, CIL_RECL, DIL_RECL = {"scenario": "cil"}, {"scenario": "dil"}, {"scenario": "cil", "budget": "recl"}, \
+    {"scenario": "dil", "budget": "recl"}
 STRATEGIES = {
-    "finetune": {"hooks": {}, "hyperparameters": {}},
+    "finetune": {"hooks": {}, "hyperparameters": {}, "grid": {},
+                 "rows": [(CIL, {"lr": 0.01, "epochs": 10}), (CIL_RECL, {"lr": 0.1, "epochs": 20}),
+                          (DIL, {"lr": 0.01, "epochs": 10}), (DIL_RECL, {"lr": 0.05, "epochs": 20})]},
     "ewc": {"hooks": {"extra_loss": ewc_loss, "after_task": ewc_after_task},
-            "hyperparameters": {"ewc_lambda": (100.0, *AT_LEAST_0)}},                  # Kirkpatrick et al. 2017
+            "hyperparameters": {"ewc_lambda": (100.0, *AT_LEAST_0)},                   # Kirkpatrick et al. 2017
+            "grid": {"ewc_lambda": [10.0, 100.0, 1000.0, 10000.0]},
+            "rows": [(CIL, {"lr": 0.01, "epochs": 20, "ewc_lambda": 1000.0}),
+                     (CIL_RECL, {"lr": 0.1, "ewc_lambda": 100.0}),
+                     (DIL, {"lr": 0.01, "epochs": 20, "ewc_lambda": 10000.0}),
+                     (DIL_RECL, {"lr": 0.05, "ewc_lambda": 100.0})]},
     "er": {"hooks": {"extra_loss": er_loss, "after_task": er_after_task},
-           "hyperparameters": {"er_fraction": (0.1, *FRACTION)}},                      # buffer: paper App. D.2
+           "hyperparameters": {"er_fraction": (0.1, *FRACTION)},                       # buffer: paper App. D.2
+           "grid": {},  # the buffer is a memory budget, fixed like the paper's, not tuned
+           "rows": [(CIL, {"lr": 0.05, "epochs": 20}), (CIL_RECL, {"lr": 0.1}), ({**CIL, **RECL}, {"ce_scope": "all"}),
+                    (DIL, {"lr": 0.1, "epochs": 10}), (DIL_RECL, {"lr": 0.05, "epochs": 20})]},
     "upgd": {"hooks": {"after_backward": upgd_after_backward},                          # Elsayed & Mahmood 2024
              "hyperparameters": {"upgd_beta": (0.999, "in [0, 1)", lambda v: 0 <= v < 1),
-                                 "upgd_sigma": (0.001, *AT_LEAST_0), "upgd_weight_decay": (0.0, *AT_LEAST_0)}},
+                                 "upgd_sigma": (0.001, *AT_LEAST_0), "upgd_weight_decay": (0.0, *AT_LEAST_0)},
+             "grid": {"upgd_beta": [0.9, 0.99, 0.999], "upgd_sigma": [0.0001, 0.001, 0.01]},
+             "rows": [(CIL, {"lr": 0.01, "epochs": 10, "upgd_beta": 0.99, "upgd_sigma": 0.001}),
+                      (CIL_RECL, {"lr": 0.1, "epochs": 20}),
+                      (DIL, {"lr": 0.01, "epochs": 20, "upgd_beta": 0.99, "upgd_sigma": 0.0001}),
+                      (DIL_RECL, {"lr": 0.1})]},
     "agem": {"hooks": {"after_backward": agem_after_backward, "after_task": agem_after_task},
              "hyperparameters": {"agem_patterns_per_task": (50, *POSITIVE),             # Chaudhry et al. 2019
-                                 "agem_batch": (256, *POSITIVE)}},
+                                 "agem_batch": (256, *POSITIVE)},
+             "grid": {"agem_patterns_per_task": [25, 50, 100]},
+             "rows": [(CIL, {"lr": 0.05, "epochs": 40, "agem_patterns_per_task": 100}),
+                      (CIL_RECL, {"lr": 0.1, "epochs": 20}),
+                      (DIL, {"lr": 0.05, "epochs": 40, "agem_patterns_per_task": 50}),
+                      (DIL_RECL, {"lr": 0.1, "epochs": 20})]},
     "lwf": {"hooks": {"extra_loss": lwf_loss, "after_task": lwf_after_task},
-            "hyperparameters": {"lwf_lambda": (1.0, *AT_LEAST_0), "lwf_temperature": (2.0, *POSITIVE)}},  # Li & Hoiem
+            "hyperparameters": {"lwf_lambda": (1.0, *AT_LEAST_0), "lwf_temperature": (2.0, *POSITIVE)},  # Li & Hoiem
+            "grid": {"lwf_lambda": [0.5, 1.0, 2.0, 5.0], "lwf_temperature": [1.0, 2.0, 4.0]},
+            "rows": [(CIL, {"lr": 0.01, "epochs": 20, "lwf_lambda": 0.5, "lwf_temperature": 4.0}),
+                     (CIL_RECL, {"lr": 0.1}),
+                     (DIL, {"lr": 0.05, "epochs": 20, "lwf_lambda": 2.0, "lwf_temperature": 2.0}),
+                     (DIL_RECL, {"lwf_lambda": 0.5})]},
     "gpm": {"hooks": {"after_backward": gpm_after_backward, "after_task": gpm_after_task},
-            "hyperparameters": {"gpm_threshold": (0.99, *FRACTION), "gpm_samples": (300, *POSITIVE)}},  # Saha et al.
+            "hyperparameters": {"gpm_threshold": (0.99, *FRACTION), "gpm_samples": (300, *POSITIVE)},  # Saha et al.
+            "grid": {"gpm_threshold": [0.9, 0.95, 0.97, 0.99]},
+            "rows": [(CIL, {"lr": 0.01, "epochs": 20, "gpm_threshold": 0.9}), (CIL_RECL, {"lr": 0.1}),
+                     (DIL, {"lr": 0.1, "epochs": 20, "gpm_threshold": 0.9}), (RECL, {"replay_noise": 0.0})]},
+    "joint": {"hooks": {}, "hyperparameters": {},  # the upper bound: every task at once (recl.run_jointly)
+              "grid": {"epochs": [20, 40, 80, 160]},  # time to fit all tasks
+              "rows": [(CIL, {"lr": 0.1, "epochs": 80}), (DIL, {"lr": 0.1, "epochs": 40})]},
 }

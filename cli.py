@@ -1,0 +1,357 @@
+"""The command line: its flags, the checks made before anything trains, one-line errors,
+and results on disk (atomic writes, and what made them)."""
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import config
+import data
+import judging
+import models
+import recl
+import strategies
+from config import RECL_FIELDS
+
+# =============================================================================
+# The flags
+# =============================================================================
+
+class UsageError(Exception):
+    """Bad command-line input; printed as one line."""
+
+
+class RunFailed(Exception):
+    """A run finished without usable numbers (it diverged); printed as one line."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of usage + message
+        raise UsageError(message)
+
+
+def images_per_class(text):
+    return None if text == "all" else int(text)
+
+
+def method_hyperparameter(text):
+    key, sep, value = text.partition("=")
+    try:
+        return key, float(value) if sep else None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=NUMBER") from None
+
+
+# Flags that only the +ReCL variants use, by their config names, and those the control does not.
+RECL_FLAGS = [k for k in RECL_FIELDS if k != "budget"] + ["paper", "rec_objective", "save_images"]
+NOT_FOR_INVERSION = list(config.CONTROL)
+
+
+SWITCHES = {"paper", "save_images", "freeze_old", "no_freeze_old", "filter", "no_filter", "backtrack", "no_backtrack"}
+
+
+def without_flags(argv, names):
+    """`argv` less the flags named (config names) and their values: run_all.sh passes its
+    extra flags to every run, and a run that does not use one would refuse it."""
+    kept, skip = [], False
+    for word in argv:
+        name = word[2:].split("=")[0].replace("-", "_") if word.startswith("--") else None
+        if skip:
+            skip = False
+        elif name is not None and name.removeprefix("no_") in names:
+            skip = "=" not in word and name not in SWITCHES
+        else:
+            kept.append(word)
+    return kept
+
+
+DESCRIPTION = ("Train a continual-learning method with and without ReCL (reconstruction of old data from the "
+               "model) on a stream of tasks, and report ACC and BWT. Default: SplitMNIST from the shipped MNIST "
+               "subset. Defaults not shown: config.py.")
+
+
+def make_parser(prog="recl.py", description=DESCRIPTION):
+    """Every flag that can be refused defaults to None, "not given": `resolve` fills in the presets."""
+    p = Parser(prog=prog, description=description)
+    p.add_argument("--scenario", choices=["cil", "dil"], default="cil",
+                   help="class-incremental (a growing head) or domain-incremental (the same labels every task)")
+    p.add_argument("--method", choices=config.METHODS, default="finetune", help="the continual-learning method")
+    p.add_argument("--variant", choices=["both", "base", "recl"],
+                   help="the method alone, with ReCL, or both on the same seeds (default: both)")
+    p.add_argument("--dataset", default="mnist", help=f"one of {', '.join(data.DATASETS)}, or a .pt file")
+    p.add_argument("--data-root", help="where mnist-full, fashion-mnist, cifar10, tinyimagenet live "
+                                       "(default: data; mnist and .pt files do not use it)")
+    p.add_argument("--classes-per-task", type=int, help="classes per task (default: 2; 20 for tinyimagenet)")
+    p.add_argument("--model", choices=models.MODELS, default="mlp",
+                   help="the paper's homogeneous MLP or CNN, or a non-homogeneous AlexNet/ResNet18")
+    p.add_argument("--seeds", type=int, help="number of seeds, each its own class order and init (default: 1)")
+    p.add_argument("--seed", type=int, default=0, help="first seed (default: 0)")
+    g = p.add_argument_group("training")
+    g.add_argument("--epochs", type=int, help="epochs per task (default: the method's rows)")
+    g.add_argument("--lr", type=float, help="SGD learning rate (default: the method's rows)")
+    g.add_argument("--batch-size", type=int, default=64, help="training batch size (default: 64)")
+    g.add_argument("--n-per-class", type=images_per_class, default=100,
+                   help="training images per class, or 'all' (default: 100)")
+    g.add_argument("--validation", action="store_true",
+                   help="score on 20%% of each task's training images, held out, not on the test set")
+    g.add_argument("--ce-scope", choices=["all", "new", "local"],
+                   help="CIL: the cross-entropy of the task's own images over all classes, or over its new classes "
+                        "only, so that they never push down old classes, or local: also replayed rows over the old "
+                        "classes only, and old against new learned by the head alone (default: all; local for "
+                        "the CNN's and AlexNet's +ReCL, except ER's)")
+    p.add_argument("--hp", type=method_hyperparameter, action="append", default=[], metavar="KEY=VALUE",
+                   help="a method hyperparameter, e.g. --hp ewc_lambda=1000 (default: the method's rows)")
+    g = p.add_argument_group("reconstruction (the +ReCL variant only; defaults: config.py)")
+    g.add_argument("--m", type=int, help="candidates per old class (default: --n-per-class, or 100 with all; "
+                                         "20 for the CNN and AlexNet, 10 for ResNet18; in DIL per class and old task)")
+    g.add_argument("--n-rec", type=int, help="reconstruction steps before each task (default: 100; 30 for the CNN "
+                                              "and AlexNet, 15 for ResNet18)")
+    g.add_argument("--sigma-x", type=float, help="std of the initial random candidates (default: 0.001)")
+    g.add_argument("--rec-objective", choices=["stationarity", "inversion"],
+                   help="Eq. 3-6, or plain model inversion, the control (default: stationarity)")
+    g.add_argument("--lr-x", type=float, help="step size for the candidates (default: 3 for the displacement "
+                   "target, 1 for the weights, 0.003 (CIL) and 0.3 (DIL) for inversion; with Adam 0.01, "
+                   "the CNN's default, and 0.001 for ResNet18)")
+    g.add_argument("--lr-lambda", type=float, help="step size for the coefficients lambda_i (default: 0.1; with Adam 0.01)")
+    g.add_argument("--lambda-min", type=float, help="Eq. 4 pushes each lambda_i above this (default: 0.05)")
+    g.add_argument("--alpha", type=float, help="sharpness of the smooth ReLU backward (default: 100)")
+    g.add_argument("--rec-target", choices=["weights", "displacement"],
+                   help="fit theta (Eq. 3 as written) or theta - theta_0 (default: displacement)")
+    g.add_argument("--freeze-old", action=argparse.BooleanOptionalAction,
+                   help="classes reconstructed before keep their candidates, fixed (default: on)")
+    g.add_argument("--filter", action=argparse.BooleanOptionalAction,
+                   help="train only on candidates the model classifies as their label (default: on)")
+    g.add_argument("--replay-noise", type=float, help="std of the fresh noise on replayed reconstructions, in "
+                   "pixel stds of the task (default: 2.5, 0 for GPM, 1 for the CNN and AlexNet in DIL and for "
+                   "ResNet18)")
+    g.add_argument("--replay-batch", type=int, help="each training step adds this many reconstructions, drawn at "
+                   "random, to a batch of the task's own images, and an epoch is one pass over those; 0: the "
+                   "reconstructions join the task's data, as the paper (default: 0; 64 for the CNN and AlexNet, 32 "
+                   "for ResNet18)")
+    g.add_argument("--backtrack", action=argparse.BooleanOptionalAction, help="a reconstruction step that raises "
+                   "the loss is undone and the step sizes halved (default: off; on for AlexNet and ResNet18)")
+    g.add_argument("--ce-weight", type=float, help="weight of inversion's cross-entropy added to Eq. 6 "
+                   "(default: 0.0003 in CIL, 0.03 for the CNN and AlexNet in CIL, 0 in DIL)")
+    g.add_argument("--rec-optimizer", choices=["sgd", "adam"],
+                   help="the optimiser of the candidates and lambdas: SGD with momentum, as the paper, or Adam, "
+                        "as image inversion on conv nets (default: sgd; adam for the CNN, AlexNet and ResNet18)")
+    g.add_argument("--paper", action="store_true", default=None,
+                   help="the paper as written: Eq. 3 on the weights, every class afresh, no filter, no replay "
+                        "noise, no cross-entropy term, SGD for the candidates, no replay batch, CE over all "
+                        "classes, no backtracking, the method's own training budget; explicit flags win")
+    g.add_argument("--rec-precision", choices=["auto", "float32", "bfloat16"],
+                   help="number format of the reconstruction's products (default auto: bfloat16 where the CPU "
+                        "has it)")
+    g.add_argument("--tuning", choices=["naive", "unsup", "sup"],
+                   help="the run's values (default: naive), or a search per task scored by the final L_full "
+                        "(unsup) or by SSIM to a few stored real images (sup) (Sec. 4.3)")
+    g.add_argument("--trials", type=int, help="random-search trials per task, with --tuning unsup or sup "
+                                              "(default: 10)")
+    g.add_argument("--save-images", action="store_true", default=None,
+                   help="per task, a PNG of real images over their nearest reconstructions, and a .pt of them")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: CUDA when present (default: auto)")
+    p.add_argument("--out", default="results", help="folder for one JSON file per run (default: results)")
+    p.add_argument("--quiet", action="store_true", help="print only one line per finished run")
+    return p
+
+
+def given(args, name):
+    """Whether the command line set flag `name`: every flag it may refuse defaults to None."""
+    return getattr(args, name, None) is not None
+
+
+def check(args, probe_out=True):
+    """Refuse, in one line, what makes no sense or would do nothing, before any work starts.
+    Fills args.hp as a dict of typed values. `probe_out`: also check that --out takes files."""
+    positive = {"batch-size": args.batch_size, "seeds": args.seeds, "epochs": args.epochs, "lr": args.lr,
+                "n-per-class": args.n_per_class, "classes-per-task": args.classes_per_task, "m": args.m,
+                "n-rec": args.n_rec, "sigma-x": args.sigma_x, "lr-x": args.lr_x, "lr-lambda": args.lr_lambda,
+                "lambda-min": args.lambda_min, "alpha": args.alpha, "trials": args.trials}
+    for flag, value in positive.items():
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise UsageError(f"--{flag} must be a positive finite number, got {value}")
+    for flag, value in (("replay-noise", args.replay_noise), ("ce-weight", args.ce_weight)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise UsageError(f"--{flag} must be a finite number >= 0, got {value}")
+    if args.replay_batch is not None and args.replay_batch < 0:
+        raise UsageError(f"--replay-batch must be a whole number >= 0, got {args.replay_batch}")
+    if args.seed < 0:
+        raise UsageError(f"--seed must be >= 0, got {args.seed}")
+    if args.scenario == "dil" and args.classes_per_task == 1:
+        raise UsageError("--classes-per-task 1 in DIL gives every task the one label 0: nothing to learn")
+    args.hp = strategies.check_hyperparameters(args.method, args.hp, UsageError)
+    # flags that would do nothing for the runs asked for
+    if args.method == "joint" and args.variant not in (None, "base"):
+        raise UsageError(f"--variant {args.variant}: joint trains one model on all tasks at once, so it has "
+                         "nothing to reconstruct; leave --variant out")
+    if args.method == "joint" or args.variant == "base":
+        reason = "joint has no +ReCL variant" if args.method == "joint" else "--variant base runs the method alone"
+        for name in RECL_FLAGS:
+            if given(args, name):
+                raise UsageError(f"--{name.replace('_', '-')} applies to the +ReCL variant only; {reason}")
+    if args.rec_objective == "inversion":
+        for name in NOT_FOR_INVERSION:
+            if given(args, name):
+                raise UsageError(f"--{name.replace('_', '-')} is part of Eq. 3-6; the inversion control "
+                                 "(--rec-objective inversion) does not use it")
+    if args.ce_scope == "local" and args.variant != "recl":
+        raise UsageError("--ce-scope local learns old against new from replayed rows, which the method alone has "
+                         "none of: give it with --variant recl (--ce-scope new is the method alone's counterpart)")
+    if args.ce_scope is not None and (args.scenario == "dil" or args.method == "joint"):
+        raise UsageError("--ce-scope applies to class-incremental training after the first task; "
+                         + ("DIL tasks share their classes" if args.scenario == "dil" else "joint trains all at once"))
+    if args.trials is not None and args.tuning in (None, "naive"):
+        raise UsageError("--trials sets the Sec. 4.3 search; it needs --tuning unsup or sup")
+    if args.dataset not in data.DATASETS and not args.dataset.endswith(".pt"):
+        raise UsageError(f"--dataset must be one of {', '.join(data.DATASETS)} or a .pt file, got {args.dataset!r}")
+    if args.data_root is not None and (args.dataset == "mnist" or args.dataset.endswith(".pt")):
+        raise UsageError(f"--data-root: {args.dataset} is not read from a data folder; leave it out")
+    most = data.MNIST_SUBSET_PER_CLASS - 1  # keep at least one test image
+    if args.dataset == "mnist" and (args.n_per_class or most + 1) > most:
+        raise UsageError(f"--n-per-class {args.n_per_class or 'all'} is more than mnist allows "
+                         f"({most}; it holds {most + 1} images per class and needs some to test on)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda was asked for but no CUDA device is available")
+    if probe_out:
+        check_writable(args.out)
+
+
+def check_writable(folder):
+    """The results folder exists or can be made, and takes a file: checked before any run trains."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"--out {folder} is a file; it must name a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise UsageError(f"--out {folder}: cannot write results there ({err.strerror or err})") from None
+
+
+def check_tasks(tasks, cfg):
+    """What the data must give before the first task trains: a network that takes its images,
+    and training and test images for every class of every task."""
+    try:
+        models.build_model(cfg.model, tasks[0].x_train.shape[1:], len(tasks[0].classes))
+    except ValueError as err:
+        raise UsageError(f"--model {cfg.model}: {err}") from None
+    split = "validation" if cfg.validation else "test"
+    for t, task in enumerate(tasks):
+        for label, c in enumerate(task.classes):
+            own = label if cfg.scenario == "dil" else label + t * len(task.classes)
+            for name, y in (("training", task.y_train), (split, task.y_test)):
+                if not (y == own).any():
+                    raise UsageError(f"{cfg.dataset}: class {c} of task {t + 1} has no {name} images")
+
+
+# =============================================================================
+# Results on disk, and what made them
+# =============================================================================
+
+@functools.cache  # once per process: the code it loaded, whatever is committed while it runs
+def provenance():
+    """What made a result, beyond its config: code version, library, machine."""
+    try:
+        here = Path(__file__).resolve().parent
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
+                                text=True, timeout=10).stdout.strip() or None
+        dirty = bool(commit) and bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                                     cwd=here, capture_output=True, text=True,
+                                                     timeout=10).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = None, False
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"commit": commit, "uncommitted_changes": dirty, "torch": torch.__version__, "device": device,
+            "threads": torch.get_num_threads(), "python": sys.version.split()[0]}
+
+
+def write_atomically(path, text):
+    """Write to a temporary name, then rename: a killed run never leaves half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_json_atomically(path, record):
+    write_atomically(path, json.dumps(record, indent=1))
+
+
+def run_from_command_line(main, program):
+    """Run `main`; the errors a user can cause end in one line and a non-zero exit."""
+    try:
+        main()
+    except (UsageError, RunFailed, data.DataError) as err:
+        sys.exit(f"{program}: error: {err}")
+    except KeyboardInterrupt:
+        sys.exit(f"{program}: interrupted; finished runs are saved, rerun to redo the rest")
+
+
+# =============================================================================
+# main: one config per run, checked before anything trains
+# =============================================================================
+
+def make_tasks(cfg):
+    """The run's tasks (its validation split with --validation), class order, mean image,
+    and the classes no task holds."""
+    tasks, order, mean_image, left_out = data.make_tasks(cfg.dataset, cfg.seed, cfg.n_per_class, cfg.scenario,
+                                                         cfg.classes_per_task, cfg.data_root)
+    if cfg.validation:
+        tasks = data.validation_split(tasks, 0.2, cfg.seed)
+    return tasks, order, mean_image, left_out
+
+
+def main(argv=None):
+    """Run a method (and/or its +ReCL variant) over `--seeds` seeds; one JSON file per run."""
+    args = make_parser().parse_args(argv)
+    provenance()  # the code this process loaded, named now: a commit made while it runs is not it
+    check(args)
+    log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
+    runs = [config.resolve(args, seed, variant) for seed in range(args.seed, args.seed + (args.seeds or 1))
+            for variant in config.variants(args)]
+    for cfg in runs[::len(config.variants(args))]:  # the data each seed gets, checked before any task trains
+        tasks, _, _, left_out = make_tasks(cfg)
+        check_tasks(tasks, cfg)
+        if left_out:  # the class order decides which; the run's JSON records them
+            print(f"note: seed {cfg.seed} leaves out class(es) {left_out}: they fill no whole task of "
+                  f"{cfg.classes_per_task} classes", flush=True)
+    results, failed, loaded = {}, [], None
+    for cfg in runs:
+        if loaded is None or loaded[0] != cfg.seed:
+            loaded = (cfg.seed, *make_tasks(cfg))
+        _, tasks, class_order, mean_image, left_out = loaded
+        name, path = config.variant_name(cfg.method, cfg.variant), config.result_path(args.out, cfg)
+        log(f"{config.describe(cfg)} | class order {class_order}")
+        image_path = path if args.save_images else None  # the images are named like the JSON
+        judge = lambda old, x_rec: judging.report_reconstruction(name, old, x_rec, cfg, mean_image, image_path, log)
+        record = recl.run_continual(cfg, tasks, log, judge, mean_image)
+        record.update(dataset=config.dataset_name(cfg.dataset), class_order=class_order, classes_left_out=left_out,
+                      config=dataclasses.asdict(cfg), digest=config.digest(cfg), provenance=provenance())
+        write_json_atomically(path, record)
+        if record["diverged"]:
+            failed.append(f"{name} {cfg.scenario} seed {cfg.seed} diverged: {record['diverged']} "
+                          f"(lr {cfg.lr:g}); marked so in {path}, never averaged")
+            continue
+        bwt = "n/a" if record["BWT"] is None else f"{record['BWT']:.2f}"
+        flagged = record["failed_reconstructions"]
+        print(f"{name} {cfg.scenario} seed {cfg.seed}: ACC {record['ACC']:.2f} BWT {bwt} in {record['seconds']:.0f}s"
+              + (f", {flagged} of {len(record['reconstructions'])} reconstructions FLAGGED (see the log)"
+                 if flagged else "") + f" -> {path}", flush=True)
+        results.setdefault(name, []).append(record["ACC"])
+    for name, accs in results.items():
+        if len(accs) > 1:
+            log(f"{name}: mean ACC {sum(accs) / len(accs):.2f} over {len(accs)} seeds "
+                f"(tables: python experiments.py aggregate {args.out})")
+    if failed:
+        raise RunFailed("; ".join(failed))
