@@ -79,43 +79,47 @@ RECL_FIELDS = FIELDS[FIELDS.index("m"):FIELDS.index("paper")]  # what the method
 # The rows: (name, when, what changes), lowest first
 # =============================================================================
 # A row applies when each field it names in `when` has that value (or one of a
-# tuple) among the values so far; `resolve` reads them in this order. Every value
-# was chosen on validation splits, never the test set: docs/networks.md for the
-# networks, docs/departures.md for the rest, docs/hyperparameters.md for methods.
+# tuple) among the values so far; `resolve` reads them in this order. Its name
+# starts with its group. Every value was chosen on validation splits, never the
+# test set; each comment points to the numbers.
 CONTROL = {"lr_lambda": None, "lambda_min": None, "rec_target": None, "ce_weight": None}  # no Eq. 3-4, no term
+NETWORK = {**strategies.RECL, "model": ("cnn", "alexnet")}
 ROWS = [
-    ("the method alone", {"variant": "base"}, {k: None for k in RECL_FIELDS}),
-    ("data", {"dataset": "tinyimagenet"}, {"classes_per_task": 20}),
-    ("DIL", {"scenario": "dil", "variant": RECL}, {"ce_weight": 0.0}),  # departure 5 cost ACC in DIL
-    # The conv nets' +ReCL: Adam (6), fewer candidates and steps, a replay batch (9), and in
-    # CIL local CE (8) with more inversion (5); in DIL less replay noise.
-    ("cnn", {**strategies.RECL, "model": ("cnn", "alexnet")},
-     {"rec_optimizer": "adam", "m": 20, "n_rec": 30, "replay_batch": 64, "ce_scope": "local", "ce_weight": 0.03}),
-    ("cnn dil", {**strategies.RECL, "model": ("cnn", "alexnet"), "scenario": "dil"},
-     {"replay_noise": 1.0, "ce_scope": "all", "ce_weight": 0.0}),
-    # AlexNet: backtracking (11), at the method alone's budget: training harder bought nothing.
-    ("alexnet", {**strategies.RECL, "model": "alexnet"}, {"backtrack": True, "budget": "alone"}),
-    ("resnet18", {**strategies.RECL, "model": "resnet18"},
+    ("alone", {"variant": "base"}, {k: None for k in RECL_FIELDS}),
+    ("data: tinyimagenet", {"dataset": "tinyimagenet"}, {"classes_per_task": 20}),
+    # The inversion term cost ACC in DIL (docs/departures.md, 5).
+    ("data: dil", {"scenario": "dil", "variant": RECL}, {"ce_weight": 0.0}),
+    # The conv nets: Adam (6), fewer candidates and steps, a replay batch (9), in CIL local CE (8)
+    # and more inversion (5), in DIL less replay noise (docs/networks.md, "Second round").
+    ("network: cnn", NETWORK, {"rec_optimizer": "adam", "m": 20, "n_rec": 30, "replay_batch": 64,
+                               "ce_scope": "local", "ce_weight": 0.03}),
+    ("network: cnn dil", {**NETWORK, "scenario": "dil"}, {"replay_noise": 1.0, "ce_scope": "all", "ce_weight": 0.0}),
+    # AlexNet also backtracks (11), at the method alone's budget: training harder bought
+    # nothing and cost time (docs/networks.md, "Fourth round").
+    ("network: alexnet", {**strategies.RECL, "model": "alexnet"}, {"backtrack": True, "budget": "alone"}),
+    # ResNet18: its lambdas' SGD step overflowed (docs/networks.md, "ResNet18").
+    ("network: resnet18", {**strategies.RECL, "model": "resnet18"},
      {"rec_optimizer": "adam", "m": 10, "n_rec": 15, "replay_batch": 32, "replay_noise": 1.0, "backtrack": True}),
+    # The paper as written: every departure off, the method's own training budget.
     ("paper", {"paper": True}, {"rec_target": "weights", "freeze_old": False, "filter": False, "replay_noise": 0.0,
                                 "ce_weight": 0.0, "rec_optimizer": "sgd", "replay_batch": 0, "ce_scope": "all",
                                 "backtrack": False, "budget": "alone"}),
-    "methods",  # each method's rows from strategies.py, in their order
-    # The candidates' step size goes with their loss and optimiser: inversion's summed CE,
-    # Eq. 3 on the weights, Adam (each pixel moves about lr_x a step, whatever the loss).
-    ("inversion steps", {"variant": "inversion"}, {"lr_x": 0.003}),
-    ("inversion steps dil", {"variant": "inversion", "scenario": "dil"}, {"lr_x": 0.3}),
-    ("weights steps", {"variant": "recl", "rec_target": "weights"}, {"lr_x": 1.0}),
-    ("adam steps", {"rec_optimizer": "adam"}, {"lr_x": 0.01, "lr_lambda": 0.01}),
-    ("resnet18 steps", {**strategies.RECL, "model": "resnet18", "rec_optimizer": "adam"}, {"lr_x": 1e-3}),
-    ("the control", {"variant": "inversion"}, CONTROL),
+    "methods",  # "method: NAME", each method's rows from strategies.py, in their order
+    # The candidates' step size goes with what they minimise and how: inversion's summed CE,
+    # Eq. 3 on the weights, Adam (each pixel moves about lr_x a step); docs/departures.md, 1 and 6.
+    ("steps: inversion", {"variant": "inversion"}, {"lr_x": 0.003}),
+    ("steps: inversion dil", {"variant": "inversion", "scenario": "dil"}, {"lr_x": 0.3}),
+    ("steps: weights", {"variant": "recl", "rec_target": "weights"}, {"lr_x": 1.0}),
+    ("steps: adam", {"rec_optimizer": "adam"}, {"lr_x": 0.01, "lr_lambda": 0.01}),
+    ("steps: resnet18", {**strategies.RECL, "model": "resnet18", "rec_optimizer": "adam"}, {"lr_x": 1e-3}),
+    ("control", {"variant": "inversion"}, CONTROL),
     ("search", {"tuning": ("unsup", "sup")}, {"trials": 10}),
 ]
 
 
 def rows():
     """Every row in the order `resolve` reads them, the methods' in place of "methods"."""
-    methods = [(name, {**when, "method": name}, changes) for name, spec in strategies.STRATEGIES.items()
+    methods = [(f"method: {name}", {**when, "method": name}, changes) for name, spec in strategies.STRATEGIES.items()
                for when, changes in spec["rows"]]
     return [row for entry in ROWS for row in (methods if entry == "methods" else [entry])]
 
@@ -128,9 +132,9 @@ def resolve(args, seed, variant):
     """The Config of one run, from the command line's `args` (None: not given).
 
     Lowest first: Config's defaults; each row of `rows()` whose `when` matches the values so
-    far, in that order (the method alone, the data, the networks, --paper, the methods' own
-    rows, the step sizes, the control, the search); the flags given, which no row overrides.
-    Then what depends on the machine or the data: --device auto, --rec-precision auto, m."""
+    far, in the order of their groups: alone, data, network, paper, method, steps, control,
+    search; then the flags given, which no row overrides. Last, what depends on the machine or
+    the data: --device auto, --rec-precision auto, and m None (as many as images per class)."""
     given = {k: v for k, v in vars(args).items() if v is not None and k in FIELDS and k not in ("seed", "variant")}
     given.update(dict(args.hp))  # --hp names the method's own hyperparameters
     values = {**dataclasses.asdict(Config()), **strategies.defaults(args.method), "seed": seed, "variant": variant,

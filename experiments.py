@@ -391,7 +391,7 @@ def tune_method(cfg, trials, log=print):
     """Choose lr, epochs and the method's own hyperparameters on validation data.
 
     Random search over strategies.TRAINING_GRID and the method's grid (`trials` draws
-    without repetition, seeded; recl.random_search), each draw scored by the ACC
+    without repetition, seeded; judging.random_search), each draw scored by the ACC
     of the run `cfg` describes (with ReCL if its variant says so) on a split held
     out from the training images of seed cfg.seed. The test images are never
     loaded into the tasks this sees. Returns every trial, best first.
@@ -417,7 +417,7 @@ def tune_method(cfg, trials, log=print):
                  "seconds": record["seconds"], "diverged": record["diverged"]}
         return trial_score(trial), trial, None
 
-    trials, _ = recl.random_search(candidates, evaluate)
+    trials, _ = judging.random_search(candidates, evaluate)
     return [trial for _, _, trial in trials]  # a diverged trial ranks last
 
 

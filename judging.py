@@ -1,8 +1,8 @@
-"""Judging a reconstruction: how close are the candidates to the real old images?
+"""Judging a reconstruction: how close are the candidates to the real old images? And the
+search of Sec. 4.3, which picks a reconstruction by a score (at the end).
 
-Reporting only: training never sees these real images (the supervised search of
-Sec. 4.3, an ablation that stores a few of them, is the one exception; recl.py
-part 4). App. D.5 in three steps:
+Reporting only: training never sees these real images (the supervised search, an
+ablation that stores a few of them, is the one exception). App. D.5 in three steps:
   1. standardise both sets (each image minus its set's mean image, over the
      set's spread) and match each real image to its nearest candidate by L2;
   2. add the training mean image back and stretch each image to [0, 1];
@@ -13,10 +13,14 @@ even exact copies of the real images would score well below 1. We first give
 the standardised candidates the real set's mean image and spread; the score
 then ignores only their overall scale and offset (test_recl.py checks both).
 """
+import dataclasses
+import math
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+import recl  # the search reconstructs (recl imports this module too: used at call time only)
 
 
 def ssim(a, b, window=11, sigma=1.5):
@@ -82,7 +86,7 @@ def judge_reconstruction(old_tasks, x_rec, cfg, mean_image):
     look-alike of the data, not a copy, would score)."""
     real = torch.cat([t.x_train for t in old_tasks])
     mean_image = mean_image.to(real.device)
-    # the noise the candidates started from: the same draw as recl.initial_candidates
+    # the noise the candidates started from: the same draw as recl.random_start
     start = torch.randn(len(x_rec), *real.shape[1:], generator=torch.Generator().manual_seed(cfg.seed)) * cfg.sigma_x
     held_out = torch.cat([t.x_test for t in old_tasks])
     pick = torch.randperm(len(held_out), generator=torch.Generator().manual_seed(cfg.seed))[:len(x_rec)]
@@ -111,3 +115,66 @@ def report_reconstruction(name, old_tasks, x_rec, cfg, mean_image, image_path=No
         save_pairs(path, real, x_rec, nearest, mean_image)
         torch.save(x_rec.cpu(), path.with_suffix(".pt"))  # the candidates themselves, for other figures
     return {"task": task, **quality}
+
+
+# =============================================================================
+# Tuning the reconstruction during training (Sec. 4.3)
+# =============================================================================
+# naive: the run's own values. unsup: a random search before each task, keeping the
+# trial with the lowest final L_full (no old data needed). sup: scored by SSIM against
+# a few stored real old images (an ablation). Trial 1 is the run's own values; each draw
+# is log-uniform within a factor of them, where App. B.3 gives fixed ranges
+# (docs/departures.md, "The search space of Sec. 4.3").
+SEARCH_SPACE = {"sigma_x": 10.0, "lr_x": 10.0, "lr_lambda": 10.0, "lambda_min": 3.0, "alpha": 3.0}
+
+
+def random_search(candidates, evaluate):
+    """Score each settings dict by evaluate(settings) -> (score, summary, payload); return every
+    (score, settings, summary), best first (ties: the earlier; non-finite: last), and the best
+    trial's payload. experiments.py's validation search shares it."""
+    trials, best = [], None
+    for settings in candidates:
+        score, summary, payload = evaluate(settings)
+        score = score if math.isfinite(score) else -math.inf
+        trials.append((score, settings, summary))
+        if best is None or score > best[0]:
+            best = (score, payload)
+    return sorted(trials, key=lambda trial: -trial[0]), best[1]  # sorted() is stable: ties keep their order
+
+
+def sample_hyperparameters(gen, centre):
+    """One draw: each hyperparameter of `centre` log-uniform in [centre / factor, centre * factor]."""
+    return {name: centre[name] * SEARCH_SPACE[name] ** (2 * torch.rand(1, generator=gen).item() - 1)
+            for name in centre}
+
+
+def reference_buffer(old_tasks, fraction, seed):
+    """A few real images of each old task, for the supervised search."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.cat([t.x_train[torch.randperm(len(t.x_train), generator=gen)[:max(1, round(fraction * len(t.x_train)))]]
+                      for t in old_tasks])
+
+
+def search_reconstruction(model, old_tasks, cfg, log=print, ext=None, last=None, mean_image=None):
+    """Step 1 with a search: `cfg.trials` reconstructions; the one the score rates highest."""
+    seed = cfg.seed * 100 + len(old_tasks)  # the search's own draws, new before each task
+    if cfg.tuning == "unsup":  # the lowest final L_full; needs no old data
+        score = lambda x, report: -report["kept_loss"]
+    else:  # sup: SSIM against a few stored real images of each old task
+        buffer = reference_buffer(old_tasks, 0.1, seed)
+        mean = torch.zeros(buffer.shape[1:]) if mean_image is None else mean_image
+        score = lambda x, report: reconstruction_quality(buffer, x, mean.to(x.device))[0].mean().item()
+    gen = torch.Generator().manual_seed(seed)
+    own = {k: getattr(cfg, k) for k in SEARCH_SPACE if getattr(cfg, k) is not None}
+    candidates = [own] + [sample_hyperparameters(gen, own) for _ in range(cfg.trials - 1)]
+
+    def evaluate(hp):
+        x, y, lam, report = recl.reconstruct_old_data(model, old_tasks, dataclasses.replace(cfg, **hp), log,
+                                                   ext or recl.Extensions(), last)
+        useless = not math.isfinite(report["kept_loss"]) or report["kept_loss"] >= report["first_loss"]
+        value = -math.inf if useless else score(x, report)
+        log(f"    trial {candidates.index(hp) + 1}/{cfg.trials}: " + " ".join(f"{k} {v:.3g}" for k, v in hp.items())
+            + f" -> score {value:.4g}")
+        return value, None, (x, y, lam, {**report, "hyperparameters": hp, "score": value})
+
+    return random_search(candidates, evaluate)[1]

@@ -1,27 +1,18 @@
-"""ReCL: Reconstruction for Continual Learning, readable top to bottom.
+"""ReCL: Reconstruction for Continual Learning, from "Slowing Down Forgetting in Continual
+Learning" (Janetzky, Schlagenhauf, Feuerriegel); equation numbers are the paper's.
 
-Paper: "Slowing Down Forgetting in Continual Learning" (Janetzky, Schlagenhauf,
-Feuerriegel). Equation numbers below are the paper's.
+A network trained by gradient descent drifts towards a margin-maximisation point, where
+its weights are a non-negative combination of the gradients of its margins at the
+training points: theta = sum_i lambda_i grad_theta Phi(theta; x_i), lambda_i >= 0 (App. B).
+ReCL reads this backwards: before each new task it optimises random candidates x_i and
+their lambda_i until the equation holds for the current weights (Step 1, Sec. 4.1), then
+trains on those reconstructions with the new task's data (Step 2, Sec. 4.2).
 
-A homogeneous network trained by gradient descent drifts towards a
-margin-maximisation point, where its weights are a non-negative combination of
-the gradients of its margins at the training points (App. B):
-
-    theta = sum_i lambda_i grad_theta Phi(theta; x_i),   lambda_i >= 0.
-
-ReCL reads this equation backwards. Before each new task it optimises random
-candidates x_i and coefficients lambda_i until the equation holds for the
-current weights, which recovers look-alikes of the old training data from the
-model alone (Step 1, Sec. 4.1). It then trains on those reconstructions mixed
-with the new task's data (Step 2, Sec. 4.2). No stored real data, no generator.
-
-Reading order. Part 1 is the paper, whole: Eq. 3-6, Step 1, Step 2, the task
-loop and Eq. 1-2; `--paper` runs exactly it. Its functions take a few named
-extension points (`Extensions`), each the paper's own step by default. Part 2
-is this implementation's departures, each one small function on one point, and
-the controls. Part 3 is the search of Sec. 4.3, part 4 `main`. config.py holds
-every default of a run, judging.py the SSIM of App. D.5, experiments.py what
-produces the tables.
+Part 1 is the paper, whole, and `--paper` runs exactly it; its functions take named
+extension points (`Extensions`), each the paper's own step by default. Part 2 is our
+departures, each one function on one point, and the controls; part 3 what a run records.
+The search of Sec. 4.3 is in judging.py, the command line in cli.py, every default of a
+run in config.py.
 """
 import dataclasses
 import functools
@@ -68,8 +59,8 @@ def margins(model, params, x, y):
 
 
 def weighted_gradient_sum_vmap(model, params, x, y, lam):
-    """(1/m) sum_i lambda_i grad_theta Phi(theta; x_i), literally: one gradient per candidate.
-    The equation as written, m x |theta| numbers; the reference the fast form is tested against."""
+    """(1/m) sum_i lambda_i grad_theta Phi(theta; x_i) as written, one gradient per candidate:
+    the reference the fast form below is tested against."""
     def margin_of_one(p, xi, yi):
         return margins(model, p, xi[None], yi[None])[0]
 
@@ -78,9 +69,8 @@ def weighted_gradient_sum_vmap(model, params, x, y, lam):
 
 
 def weighted_gradient_sum(model, params, x, y, lam, m=None):
-    """The same sum with one backward pass: a gradient is linear, so sum_i lambda_i grad Phi(x_i)
-    = grad sum_i lambda_i Phi(x_i). torch.func.grad keeps it differentiable in x and lambda,
-    which Step 1 optimises. Divided by m, all candidates, also when `x` is some of them."""
+    """The same sum in one backward pass, as a gradient is linear: grad sum_i lambda_i Phi(x_i),
+    differentiable in x and lambda. Divided by m, all candidates, also when `x` is some of them."""
     def weighted_margins(p):
         return (lam * margins(model, p, x, y)).sum() / (m or len(x))
 
@@ -93,8 +83,7 @@ def image_prior(x):
 
 
 def stationarity_loss(model, params, labels, target, lambda_min, m=None, scale=1.0):
-    """L_full (Eq. 6) as a function of the candidates x and their lambdas: Eq. 3-5 by name.
-    `target` is theta in Eq. 3 (`scale` 1); a departure may pass another."""
+    """L_full (Eq. 6) of candidates x and lambdas, term by term; `target` is theta in Eq. 3."""
     def loss(x, lam):
         combination = weighted_gradient_sum(model, params, x, labels, lam, m)
         return {"rec": scale * sum((target[k] - combination[k]).pow(2).sum() for k in params),  # Eq. 3
@@ -104,25 +93,19 @@ def stationarity_loss(model, params, labels, target, lambda_min, m=None, scale=1
 
 
 def candidate_labels(n_outputs, m_per_class, n_old_tasks, scenario):
-    """Fixed labels spread evenly over the old classes (Sec. 4.2). CIL: m per class the head
-    knows. DIL: every task reuses labels 0..k-1, so m per class per old task (m = sum n^t)."""
+    """Fixed labels, m per old class (Sec. 4.2); in DIL tasks share labels, so m per class per task."""
     per_class = m_per_class * (1 if scenario == "cil" else n_old_tasks)
     return torch.arange(n_outputs).repeat_interleave(per_class)
-
-
-def initial_candidates(m, input_shape, sigma_x, seed):
-    """x_i ~ N(0, sigma_x^2 I) (Sec. 4.1) and lambda_i ~ U(0, 1), reproducibly."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(m, *input_shape, generator=gen) * sigma_x, torch.rand(m, generator=gen)
 
 
 # The extension points. Each default is the paper's own step; part 2's departures replace some.
 
 def random_start(labels, input_shape, cfg, last=None):
-    """Every candidate from noise, none held fixed; `last`, the previous reconstruction, is for
-    a start that builds on it."""
-    x, lam = (v.to(labels.device) for v in initial_candidates(len(labels), input_shape, cfg.sigma_x, cfg.seed))
-    return x, lam, torch.zeros(len(x), dtype=torch.bool, device=labels.device)
+    """x_i ~ N(0, sigma_x^2 I) (Sec. 4.1) and lambda_i ~ U(0, 1), reproducibly, none held fixed
+    (`last`, the previous reconstruction, is for a start that builds on it)."""
+    gen, m, device = torch.Generator().manual_seed(cfg.seed), len(labels), labels.device
+    x, lam = torch.randn(m, *input_shape, generator=gen) * cfg.sigma_x, torch.rand(m, generator=gen)
+    return x.to(device), lam.to(device), torch.zeros(m, dtype=torch.bool, device=device)
 
 
 def shuffled_batches(x, y, own, cfg):
@@ -154,10 +137,9 @@ class Extensions:
 
 
 def reconstruct(model, labels, input_shape, cfg, log=print, ext=Extensions(), last=None):
-    """Step 1 of ReCL (Sec. 4.1): recover look-alikes of old training data from `model` alone.
-    Random candidates and lambdas, two SGD optimisers with momentum, n_rec steps on L_full;
-    returns the candidates and lambdas with the lowest loss seen (the last step's included)
-    and a report."""
+    """Step 1 (Sec. 4.1): look-alikes of old training data from `model` alone. Random candidates
+    and lambdas, two SGD optimisers with momentum, n_rec steps on L_full; returns the candidates
+    and lambdas with the lowest loss seen (the last step's included) and a report."""
     net = models.with_smooth_relu(model, cfg.alpha).eval()  # smooth backward, exact forward (Haim et al.)
     params = {k: v.detach() for k, v in net.named_parameters()}
     x0, lam0, fixed = ext.start(labels, input_shape, cfg, last)
@@ -170,8 +152,7 @@ def reconstruct(model, labels, input_shape, cfg, log=print, ext=Extensions(), la
             terms = L_full(x, lam)
             loss = sum(terms.values())
         losses.append(loss.item())
-        if step == 0:
-            first_terms = detached(terms)
+        first_terms = detached(terms) if step == 0 else first_terms
         kept = ext.keep_step(losses, best, (x, lam), optimizers, memo)
         if step and step % max(1, cfg.n_rec // 4) == 0 and step < cfg.n_rec:  # progress at each quarter
             log(f"    step {step}/{cfg.n_rec}: loss {losses[-1]:.4g}")
@@ -181,13 +162,8 @@ def reconstruct(model, labels, input_shape, cfg, log=print, ext=Extensions(), la
             break
         if best is None or losses[-1] < best[0]:  # a step can overshoot: keep the best candidates seen
             best = (losses[-1], x.detach().clone(), lam.detach().clone(), detached(terms))
-        if step == cfg.n_rec:
-            break
-        for opt in optimizers:
-            opt.zero_grad()
-        loss.backward()
-        for opt in optimizers:
-            opt.step()
+        if step < cfg.n_rec:
+            descend(loss, optimizers)
     if best is None:  # not even the start has a finite loss: hand back the start, flagged
         best = (losses[0], x.detach(), lam.detach(), detached(terms))
     x0[~fixed], lam0[~fixed] = best[1], best[2]
@@ -195,9 +171,16 @@ def reconstruct(model, labels, input_shape, cfg, log=print, ext=Extensions(), la
     return x0, lam0, {"candidates": len(x0), "optimised": int((~fixed).sum()), "rec_scale": float(scale), **report}
 
 
+def descend(loss, optimizers):
+    for opt in optimizers:
+        opt.zero_grad()
+    loss.backward()
+    for opt in optimizers:
+        opt.step()
+
+
 def full_loss(model, net, params, labels, x0, lam0, fixed, cfg, ext=Extensions()):
-    """L_full (Eq. 6) of the candidates not held `fixed`, term by term, in the run's number
-    format (--rec-precision); and the scale of its L_rec."""
+    """L_full (Eq. 6) of the candidates not held `fixed`, in the run's number format; and L_rec's scale."""
     target, scale = ext.target(params, model)
     if fixed.any():  # candidates held fixed add a constant to Eq. 3's sum: take it off the target once
         share = weighted_gradient_sum(net, params, x0[fixed], labels[fixed], lam0[fixed], len(labels))
@@ -211,26 +194,8 @@ def full_loss(model, net, params, labels, x0, lam0, fixed, cfg, ext=Extensions()
     return L_full, scale
 
 
-def detached(terms):
-    return {k: v.detach() for k, v in terms.items()}
-
-
-def reconstruction_report(losses, best, first_terms, backtracks=0):
-    """What a reconstruction did: the loss at its start, of the candidates it kept, and at its
-    last step; and why it failed, if it did: it diverged (a loss that turned non-finite, or a
-    last step above the start), or no step lowered the loss. `backtracks`: steps undone."""
-    first, last = losses[0], losses[-1]
-    failed = (f"diverged at step {len(losses) - 1}" if not math.isfinite(last)
-              else f"diverged: the last step's loss {last:.4g} is above the start's {first:.4g}" if last > first
-              else "no step lowered the loss" if best[0] >= first else None)
-    return {"steps": len(losses) - 1, "first_loss": first, "kept_loss": best[0], "last_step_loss": last,
-            "first_terms": {k: v.item() for k, v in first_terms.items()},
-            "kept_terms": {k: v.item() for k, v in best[3].items()}, "backtracks": backtracks, "failed": failed}
-
-
 def reconstruct_old_data(model, old_tasks, cfg, log=print, ext=Extensions(), last=None):
-    """Step 1 for a run: labels over every old class, then `reconstruct`. Returns the
-    candidates, their labels and lambdas, and the report."""
+    """Step 1 for a run: labels over the old classes, then `reconstruct`: x, labels, lambdas, report."""
     device = next(model.parameters()).device
     labels = candidate_labels(model.head.out_features, cfg.m, len(old_tasks), cfg.scenario).to(device)
     x, lam, report = reconstruct(model, labels, old_tasks[0].x_train.shape[1:], cfg, log, ext, last)
@@ -255,14 +220,9 @@ def accuracy(model, x, y, batch_size=1000):
     return 100.0 * correct / len(x)
 
 
-class Diverged(Exception):
-    """Training produced a non-finite loss; the run's numbers would be meaningless."""
-
-
 def train_task(model, x, y, hooks, state, cfg, n_replayed=0, n_old_classes=0, ext=Extensions()):
-    """Step 2 (Sec. 4.2): plain SGD on cross-entropy; the strategy's hooks add a loss term or
-    edit gradients. The last `n_replayed` rows of x are ReCL's reconstructions: ReCL only adds
-    data. Returns the mean loss of the last epoch."""
+    """Step 2 (Sec. 4.2): SGD on cross-entropy, which the strategy's hooks extend; the last
+    `n_replayed` rows are the reconstructions. Returns the last epoch's mean loss."""
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     own = len(x) - n_replayed  # the task's own rows come first
@@ -290,9 +250,8 @@ def train_task(model, x, y, hooks, state, cfg, n_replayed=0, n_old_classes=0, ex
 
 
 def run_continual(cfg, tasks, log=print, judge=None, mean_image=None):
-    """Train one model through all tasks, with ReCL unless cfg.variant is "base"; return the
-    run's record. `judge(old_tasks, x_rec)`, if given, reports on each reconstruction
-    (judging.py); what it returns goes into the record, and training never sees it."""
+    """Train one model through all tasks, with ReCL unless cfg.variant is "base"; its record.
+    `judge(old_tasks, x_rec)` reports on each reconstruction (judging.py); training never sees it."""
     if cfg.method == "joint":  # the upper bound has no stream of tasks (part 2)
         return run_jointly(cfg, tasks, log)
     started = time.time()
@@ -302,8 +261,8 @@ def run_continual(cfg, tasks, log=print, judge=None, mean_image=None):
     model = models.build_model(cfg.model, tasks[0].x_train.shape[1:], per_task).to(cfg.device)
     hooks, state = strategies.STRATEGIES[cfg.method]["hooks"], strategies.new_state(cfg.method, **cfg.hp)
     ext = extensions(cfg)  # the paper's steps, with this run's departures on them (part 2)
-    step1 = reconstruct_old_data if cfg.tuning in (None, "naive") else functools.partial(  # or Sec. 4.3
-        search_reconstruction, mean_image=mean_image)
+    step1 = reconstruct_old_data if cfg.tuning in (None, "naive") else functools.partial(  # or Sec. 4.3's search
+        judging.search_reconstruction, mean_image=mean_image)
     R, reconstructions, recon_quality, last, diverged = [[None] * len(tasks) for _ in tasks], [], [], None, None
     for t, task in enumerate(tasks):
         x, y = task.x_train, task.y_train
@@ -314,11 +273,7 @@ def run_continual(cfg, tasks, log=print, judge=None, mean_image=None):
             last = (x_rec, y_rec, lam_rec)  # whole: a start may build on it
             keep = ext.select(model, x_rec, y_rec)
             x_rec, y_rec = x_rec[keep], y_rec[keep]
-            reconstructions.append({"task": t + 1, **report, "kept": len(x_rec),
-                                    "seconds": round(time.time() - start, 2)})
-            log(f"  [{name}] task {t + 1}: reconstructed {len(x_rec)}/{report['candidates']}, "
-                f"loss {report['first_loss']:.4g} -> {report['kept_loss']:.4g}" + unexplained(report)
-                + (f", FLAGGED: {report['failed']} (kept its lowest-loss candidates)" if report["failed"] else ""))
+            reconstructions.append(noted(report, t, len(x_rec), start, name, log))
             if judge and len(x_rec):
                 recon_quality.append(judge(tasks[:t], x_rec))
             x, y = torch.cat([x, x_rec]), torch.cat([y, y_rec])  # Step 2: the reconstructions last
@@ -341,23 +296,13 @@ def run_continual(cfg, tasks, log=print, judge=None, mean_image=None):
     return record_of(cfg, R, acc, bwt, diverged, reconstructions, recon_quality, started)
 
 
-def record_of(cfg, R, acc, bwt, diverged, reconstructions, recon_quality, started):
-    """A run's record: its accuracy matrix, ACC, BWT and what each reconstruction did."""
-    return {"method": cfg.method, "variant": cfg.variant, "recl": cfg.variant != "base", "scenario": cfg.scenario,
-            "seed": cfg.seed, "acc_matrix": R, "ACC": acc, "BWT": bwt, "diverged": diverged,
-            "reconstructions": reconstructions, "recon_quality": recon_quality,
-            "failed_reconstructions": sum(bool(r["failed"]) for r in reconstructions),
-            "seconds": round(time.time() - started, 2),
-            "phase_seconds": {"reconstruct": round(sum(r["seconds"] for r in reconstructions), 2)}}
-
-
 # =============================================================================
 # 2. Departures from the paper, and the controls
 # =============================================================================
 # Each departure is one function on one extension point of part 1, switched on
 # by one config field; `--paper` switches every one off. Each says what the
 # paper does, what we do and why; docs/departures.md has the numbers under the
-# same number. Departures 7, 10 and 12 were tried and lost: docs only.
+# same number, and the levers that lost.
 
 # Departure 1, displacement target (`--rec-target displacement`), point `target`.
 # Paper: Eq. 3 fits theta. Here: theta - theta_0, what training added, relative to its size.
@@ -444,24 +389,17 @@ def adam(tensor, lr):
 # Why: the task's images then never push the old classes' logits down.
 def scoped_cross_entropy(model, xb, yb, own_rows, n_old_classes, cfg, replaying):
     scope = cfg.ce_scope if replaying or cfg.ce_scope != "local" else "new"  # local needs replayed rows
-    if scope == "local":
-        seen = []
-        hook = model.head.register_forward_hook(lambda layer, inputs, out: seen.append(inputs[0]))
-        try:
-            logits = model(xb)
-        finally:
-            hook.remove()
-        head_only = model.head(seen[0].detach())
-    else:
-        logits = model(xb)
+    seen = []  # what the head takes in: the features
+    hook = model.head.register_forward_hook(lambda layer, inputs, out: seen.append(inputs[0]))
+    logits = model(xb)
+    hook.remove()
     if not n_old_classes:
         return logits, F.cross_entropy(logits, yb)
-    old = (torch.arange(logits.shape[1], device=logits.device) < n_old_classes)[None]
-    own = own_rows[:, None]
+    old, own = (torch.arange(logits.shape[1], device=logits.device) < n_old_classes)[None], own_rows[:, None]
     if scope == "new":
         return logits, F.cross_entropy(logits.masked_fill(own & old, float("-inf")), yb)
     grouped = logits.masked_fill(torch.where(own, old, ~old), float("-inf"))
-    return logits, F.cross_entropy(grouped, yb) + F.cross_entropy(head_only, yb)
+    return logits, F.cross_entropy(grouped, yb) + F.cross_entropy(model.head(seen[0].detach()), yb)
 
 
 # Departure 9, replay batch (`--replay-batch N`), point `batches`.
@@ -545,71 +483,46 @@ def run_jointly(cfg, tasks, log=print):
 
 
 # =============================================================================
-# 3. Tuning the reconstruction during training (Sec. 4.3)
+# 3. What a run records
 # =============================================================================
-# naive: the run's own values. unsup: a random search at each task, keeping the
-# trial with the lowest final L_full; it needs no old data. sup: the same search
-# scored by SSIM against a small buffer of real old images (an ablation: it
-# stores data). Trial 1 is always the run's own values. Where we depart from
-# App. B.3: its ranges were set for Eq. 3 on the weights, and our lr_x lies above
-# them, so each draw is log-uniform within a factor of the run's own value
-# (docs/departures.md, "The search space of Sec. 4.3").
-SEARCH_SPACE = {"sigma_x": 10.0, "lr_x": 10.0, "lr_lambda": 10.0, "lambda_min": 3.0, "alpha": 3.0}
+
+class Diverged(Exception):
+    """Training produced a non-finite loss; the run's numbers would be meaningless."""
 
 
-def random_search(candidates, evaluate):
-    """Score each settings dict in `candidates`, in order, by evaluate(settings) ->
-    (score, summary, payload). Returns every (score, settings, summary), best first, and the
-    best trial's payload. Ties go to the earlier trial; a non-finite score ranks last. The
-    methods' validation search shares it (experiments.py)."""
-    trials, best = [], None
-    for settings in candidates:
-        score, summary, payload = evaluate(settings)
-        score = score if math.isfinite(score) else -math.inf
-        trials.append((score, settings, summary))
-        if best is None or score > best[0]:
-            best = (score, payload)
-    return sorted(trials, key=lambda trial: -trial[0]), best[1]  # sorted() is stable: ties keep their order
+def detached(terms):
+    return {k: v.detach() for k, v in terms.items()}
 
 
-def sample_hyperparameters(gen, centre):
-    """One draw: each hyperparameter of `centre` log-uniform in [centre / factor, centre * factor]."""
-    return {name: centre[name] * SEARCH_SPACE[name] ** (2 * torch.rand(1, generator=gen).item() - 1)
-            for name in centre}
+def noted(report, t, kept, started, name, log):
+    """Log what the reconstruction before task t + 1 did; its entry in the run's record."""
+    log(f"  [{name}] task {t + 1}: reconstructed {kept}/{report['candidates']}, "
+        f"loss {report['first_loss']:.4g} -> {report['kept_loss']:.4g}" + unexplained(report)
+        + (f", FLAGGED: {report['failed']} (kept its lowest-loss candidates)" if report["failed"] else ""))
+    return {"task": t + 1, **report, "kept": kept, "seconds": round(time.time() - started, 2)}
 
 
-def reference_buffer(old_tasks, fraction, seed):
-    """A few real images of each old task: only the supervised search uses them."""
-    gen = torch.Generator().manual_seed(seed)
-    picks = [t.x_train[torch.randperm(len(t.x_train), generator=gen)[:max(1, round(fraction * len(t.x_train)))]]
-             for t in old_tasks]
-    return torch.cat(picks)
+def reconstruction_report(losses, best, first_terms, backtracks=0):
+    """What a reconstruction did: the loss at its start, of the candidates it kept, and at its
+    last step; and why it failed, if it did: it diverged (a loss that turned non-finite, or a
+    last step above the start), or no step lowered the loss. `backtracks`: steps undone."""
+    first, last = losses[0], losses[-1]
+    failed = (f"diverged at step {len(losses) - 1}" if not math.isfinite(last)
+              else f"diverged: the last step's loss {last:.4g} is above the start's {first:.4g}" if last > first
+              else "no step lowered the loss" if best[0] >= first else None)
+    return {"steps": len(losses) - 1, "first_loss": first, "kept_loss": best[0], "last_step_loss": last,
+            "first_terms": {k: v.item() for k, v in first_terms.items()},
+            "kept_terms": {k: v.item() for k, v in best[3].items()}, "backtracks": backtracks, "failed": failed}
 
 
-def search_reconstruction(model, old_tasks, cfg, log=print, ext=Extensions(), last=None, mean_image=None):
-    """Step 1 with a search: `cfg.trials` reconstructions, trial 1 at the run's own values, the
-    others drawn around them. Returns the one the score rates highest, its values in its report."""
-    seed = cfg.seed * 100 + len(old_tasks)  # the search's own draws, new before each task
-    if cfg.tuning == "unsup":  # the lowest final L_full; needs no old data
-        score = lambda x, report: -report["kept_loss"]
-    else:  # sup: SSIM against a few stored real images of each old task
-        buffer = reference_buffer(old_tasks, 0.1, seed)
-        mean = torch.zeros(buffer.shape[1:]) if mean_image is None else mean_image
-        score = lambda x, report: judging.reconstruction_quality(buffer, x, mean.to(x.device))[0].mean().item()
-    gen = torch.Generator().manual_seed(seed)
-    own = {k: getattr(cfg, k) for k in SEARCH_SPACE if getattr(cfg, k) is not None}
-    candidates = [own] + [sample_hyperparameters(gen, own) for _ in range(cfg.trials - 1)]
-
-    def evaluate(hp):
-        x, y, lam, report = reconstruct_old_data(model, old_tasks, dataclasses.replace(cfg, **hp), log, ext, last)
-        # a draw whose kept candidates are no better than its start loses
-        useless = not math.isfinite(report["kept_loss"]) or report["kept_loss"] >= report["first_loss"]
-        value = -math.inf if useless else score(x, report)
-        log(f"    trial {candidates.index(hp) + 1}/{cfg.trials}: " + " ".join(f"{k} {v:.3g}" for k, v in hp.items())
-            + f" -> score {value:.4g}")
-        return value, None, (x, y, lam, {**report, "hyperparameters": hp, "score": value})
-
-    return random_search(candidates, evaluate)[1]
+def record_of(cfg, R, acc, bwt, diverged, reconstructions, recon_quality, started):
+    """A run's record: its accuracy matrix, ACC, BWT and what each reconstruction did."""
+    return {"method": cfg.method, "variant": cfg.variant, "recl": cfg.variant != "base", "scenario": cfg.scenario,
+            "seed": cfg.seed, "acc_matrix": R, "ACC": acc, "BWT": bwt, "diverged": diverged,
+            "reconstructions": reconstructions, "recon_quality": recon_quality,
+            "failed_reconstructions": sum(bool(r["failed"]) for r in reconstructions),
+            "seconds": round(time.time() - started, 2),
+            "phase_seconds": {"reconstruct": round(sum(r["seconds"] for r in reconstructions), 2)}}
 
 
 if __name__ == "__main__":  # the command line lives in cli.py

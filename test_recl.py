@@ -1,9 +1,12 @@
-"""Tests, in recl.py's reading order: the math and behaviour of reconstruction, the
-metrics, the strategies, the loop, App. E / Sec. 4.3, then data and models, the
-command line and the experiment machinery.
+"""Tests in the order the code teaches: first the proofs of the paper's math (Eq. 3-6, the
+margins, the smooth ReLU, the targets, the candidates' labels, ACC and BWT); then what it
+does on trained networks (reconstruction recovers data, each departure does what it says,
+the strategies' math); then the machinery (data, the command line, the config, experiments.py
+and run_all.sh). Shared helpers live in conftest.py.
 
 Run with `python -m pytest -q`. Everything runs on tiny problems on the CPU.
 """
+import ast
 import copy
 import dataclasses
 import gzip
@@ -12,8 +15,6 @@ import math
 import os
 import subprocess
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import grad, vmap
 
+import cli
 import config
 import data
 import experiments
@@ -28,100 +30,8 @@ import judging
 import models
 import recl
 import strategies
-
-HERE = Path(__file__).resolve().parent
-
-# The tests of the command line and of run_all.sh spend their time in the processes they
-# start, most of it importing torch, and what those do depends on nothing the other tests
-# do. So those marked @in_background(prepare) start theirs with the first test, one at a
-# time, while the rest run here on one thread: a core each (two threads here beside a
-# process there would wait on each other). Each gets what its processes gave as the
-# fixture `started` and checks it as before; selected alone (-k), a test starts only its own.
-torch.set_num_threads(1)
-ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}  # for a process that computes, started from here
-BACKGROUND = {}  # test name -> prepare
-
-
-def in_background(prepare):
-    """Mark a test whose processes run in the background: prepare(folder) readies the test's
-    own empty folder, here, before the first test runs (so no test's monkeypatch is active),
-    and returns what to run in the background; the test's `started` is (what that returned,
-    folder)."""
-    def mark(test):
-        arguments = test.__code__.co_varnames[:test.__code__.co_argcount]
-        assert "started" in arguments, f"{test.__name__} must take `started`"
-        BACKGROUND[test.__name__] = prepare
-        return test
-    return mark
-
-
-@pytest.fixture(scope="module", autouse=True)
-def background(request, tmp_path_factory):
-    selected = {item.originalname for item in request.session.items if getattr(item, "module", None) is request.module}
-    pool, started = ThreadPoolExecutor(max_workers=1), {}
-    for name, prepare in BACKGROUND.items():
-        if name in selected:
-            folder = tmp_path_factory.mktemp(name[5:35])
-            try:
-                started[name] = folder, pool.submit(prepare(folder))
-            except Exception as err:  # the test that owns it fails, not the module
-                started[name] = folder, Future()
-                started[name][1].set_exception(err)
-    yield started
-    pool.shutdown(cancel_futures=True)
-
-
-@pytest.fixture
-def started(request, background):
-    folder, outcome = background[request.node.originalname]
-    return outcome.result(timeout=600), folder  # a hung process fails its test, not the suite
-
-
-def run_config(variant="recl", **overrides):
-    """A run's Config as config.resolve makes it, with `overrides` standing for flags given on
-    the command line (lr 0.05 and 20 epochs unless given; float32 on the CPU, so that every
-    CPU gives the same numbers). rec_objective="inversion" makes it the inversion variant."""
-    args = config.make_parser().parse_args([])
-    args.device, args.lr, args.epochs, args.hp = "cpu", 0.05, 20, {}
-    if overrides.get("rec_objective") == "inversion":
-        variant = "inversion"
-    if variant != "base":
-        args.rec_precision = "float32"
-    for k, v in overrides.items():
-        setattr(args, k, v)
-    return config.resolve(args, args.seed, variant)
-
-
-def objective_terms(model, cfg, labels, x, lam, fixed=None, m=None):
-    """The loss terms Step 1 minimises for this run's config, at candidates x and lambdas lam."""
-    net = models.with_smooth_relu(model, cfg.alpha).eval()
-    params = {k: v.detach() for k, v in net.named_parameters()}
-    return recl.objective_of(model, fixed, m)(net, params, labels, cfg)(x, lam)
-
-
-def synthetic_tasks(scenario, n_tasks=3, per_class=6, shape=(1, 4, 4), seed=0):
-    """Well-separated Gaussian blobs, two classes per task, in the layout data.py makes."""
-    g = torch.Generator().manual_seed(seed)
-    n_classes = 2 * n_tasks
-    centres = torch.randn(n_classes, *shape, generator=g)
-    def sample(n):
-        y = torch.arange(n_classes).repeat_interleave(n)
-        return 0.5 * centres[y] + 0.05 * torch.randn(len(y), *shape, generator=g), y
-    (xtr, ytr), (xte, yte) = sample(per_class), sample(per_class)
-    return data.split_into_tasks(xtr, ytr, xte, yte, list(range(n_classes)), 2, scenario)
-
-
-def step1(model, labels, input_shape, cfg, log=lambda *a: None):
-    """recl.reconstruct with the run's departures (or the control) as its objective:
-    the candidates, their lambdas and the report."""
-    return recl.reconstruct(model, labels, input_shape, cfg, log, recl.objective_of(model))
-
-
-def nearest_cosine(candidates, reference):
-    """For each reference image, the cosine similarity of its nearest candidate."""
-    a = F.normalize(candidates.flatten(1), dim=1)
-    b = F.normalize(reference.flatten(1), dim=1)
-    return (b @ a.T).amax(1)
+from conftest import (HERE, ONE_THREAD, QUIET, fake_record, in_background, initial_candidates, loss_terms,
+                      nearest_cosine, resolved, run_all_dry, run_config, step1, synthetic_tasks, with_loss)
 
 
 # =============================================================================
@@ -185,9 +95,9 @@ def test_targets_are_the_weights_or_the_displacement_relative_to_its_size():
     model = models.remember_start(models.MLP(4, 2, hidden=3))
     start = {k: v.clone() for k, v in model.start.items()}
     params = {k: v + 0.5 for k, v in start.items()}
-    target, scale = recl.reconstruction_target(params, start, "weights")
+    target, scale = recl.Extensions().target(params, model)  # the paper: theta, at scale 1
     assert target is params and scale == 1.0
-    target, scale = recl.reconstruction_target(params, start, "displacement")
+    target, scale = recl.displacement_target(params, model)  # departure 1
     assert all(torch.allclose(target[k], torch.full_like(v, 0.5)) for k, v in start.items())
     n = sum(v.numel() for v in start.values())
     assert float(scale) == pytest.approx(1 / (0.25 * n))
@@ -202,15 +112,15 @@ def test_relative_rec_term_is_the_share_of_the_displacement_left_unexplained():
     x, labels = torch.randn(5, 4), torch.tensor([0, 1, 0, 1, 0])
     lam = torch.rand(5)
     combination = recl.weighted_gradient_sum(model, params, x, labels, lam)
-    start = {k: params[k] - combination[k] for k in params}  # theta - theta_0 is exactly that combination
-    target, scale = recl.reconstruction_target(params, start, "displacement")
+    model.start = {k: params[k] - combination[k] for k in params}  # theta - theta_0 is exactly that combination
+    target, scale = recl.displacement_target(params, model)
     loss = recl.stationarity_loss(model, params, labels, target, 0.0, scale=scale)
     assert float(loss(x, torch.zeros(5))["rec"]) == pytest.approx(1.0)
     assert float(loss(x, lam)["rec"]) == pytest.approx(0.0, abs=1e-6)
-    report = {"kept_terms": {"rec": float(loss(x, 0.5 * lam)["rec"])}}
+    report = {"kept_terms": {"rec": float(loss(x, 0.5 * lam)["rec"])}, "rec_scale": float(scale)}
     assert report["kept_terms"]["rec"] == pytest.approx(0.25, rel=1e-4)  # half the combination: a quarter left
-    assert recl.unexplained(report, run_config(rec_target="displacement")).endswith("25% of theta - theta_0 unexplained")
-    assert recl.unexplained(report, run_config(rec_target="weights")) == ""
+    assert recl.unexplained(report).endswith("25% of theta - theta_0 unexplained")
+    assert recl.unexplained({**report, "rec_scale": 1.0}) == ""  # Eq. 3 on the weights: an absolute L_rec
 
 
 def test_displacement_target_needs_the_initial_weights():
@@ -228,10 +138,10 @@ def test_the_inversion_objective_is_cross_entropy_plus_prior_and_ignores_the_lam
     model = models.remember_start(models.MLP(16, 3, hidden=12))
     labels = torch.tensor([0, 1, 2, 0, 1, 2])
     cfg = run_config(rec_objective="inversion", sigma_x=0.7)  # some pixels outside [-1, 1]
-    x0, lam0 = recl.initial_candidates(len(labels), (16,), cfg.sigma_x, cfg.seed)
+    x0, lam0 = initial_candidates(len(labels), (16,), cfg.sigma_x, cfg.seed)
     assert (x0.abs() > 1).any()
     x, lam = x0.clone().requires_grad_(), lam0.clone().requires_grad_()
-    terms = objective_terms(model, cfg, labels, x, lam)
+    terms = loss_terms(model, cfg, labels, x, lam)
     assert set(terms) == {"ce", "prior"}
     gx, glam = torch.autograd.grad(sum(terms.values()), (x, lam), allow_unused=True)
     candidates = x0.clone().requires_grad_()
@@ -240,7 +150,7 @@ def test_the_inversion_objective_is_cross_entropy_plus_prior_and_ignores_the_lam
     loss.backward()
     torch.testing.assert_close(gx, candidates.grad)
     assert glam is None or not glam.any()
-    eq6 = objective_terms(model, run_config(sigma_x=0.7), labels, x, lam)
+    eq6 = loss_terms(model, run_config(sigma_x=0.7), labels, x, lam)
     assert not torch.allclose(torch.autograd.grad(sum(eq6.values()), x)[0], gx)
 
 
@@ -253,11 +163,11 @@ def test_the_ce_weight_adds_exactly_its_share_of_the_inversion_gradient():
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))  # a displacement to fit
     labels = torch.tensor([0, 1, 2, 0, 1, 2])
-    x0, lam0 = recl.initial_candidates(len(labels), (16,), 0.3, 0)
+    x0, lam0 = initial_candidates(len(labels), (16,), 0.3, 0)
     x, lam = x0.clone().requires_grad_(), lam0.clone().requires_grad_()
 
     def gradients(w):
-        terms = objective_terms(model, run_config(ce_weight=w), labels, x, lam)
+        terms = loss_terms(model, run_config(ce_weight=w), labels, x, lam)
         return terms, torch.autograd.grad(sum(terms.values()), (x, lam))
     (plain, (gx_plain, glam_plain)), (mixed, (gx_mixed, glam_mixed)) = gradients(0.0), gradients(0.25)
     candidates = x0.clone().requires_grad_()
@@ -323,7 +233,7 @@ def test_reconstruction_recovers_training_data(trained_on_eight_digits):
     model, x = trained_on_eight_digits
     cfg = run_config(n_rec=100, paper=True)  # Eq. 3 as written, lr_x 1
     labels_rec = recl.candidate_labels(2, 8, 1, "cil")
-    x_rec, _, report = recl.reconstruct(model, labels_rec, (1, 28, 28), cfg, log=lambda *a: None)
+    x_rec, _, report = recl.reconstruct(model, labels_rec, (1, 28, 28), cfg, log=QUIET)
     # cosine similarity of each training image to its nearest reconstruction,
     # against the same for random candidates (measured: about 0.64 vs 0.07; 0.62 after
     # 1000 steps, and 0.27 with Eq. 3's target set to zero, fitting nothing)
@@ -379,7 +289,7 @@ def test_auto_precision_is_bfloat16_only_on_a_cpu_with_bfloat16_instructions(mon
 def test_inverted_candidates_are_classified_as_their_labels(trained_on_eight_digits):
     model, _ = trained_on_eight_digits
     labels = recl.candidate_labels(2, 8, 1, "cil")
-    start, _ = recl.initial_candidates(len(labels), (1, 28, 28), 1e-3, 0)
+    start, _ = initial_candidates(len(labels), (1, 28, 28), 1e-3, 0)
     before = recl.classified_as_labelled(model, start, labels).float().mean()
     x_rec, _, report = step1(model, labels, (1, 28, 28), run_config(rec_objective="inversion"))
     after = recl.classified_as_labelled(model, x_rec, labels).float().mean()
@@ -407,9 +317,9 @@ def test_a_reconstruction_that_blows_up_gradually_keeps_its_best_candidates():
     torch.manual_seed(0)
     model = models.remember_start(models.MLP(16, 2, hidden=8))
     cfg = run_config(n_rec=500, lr_x=2.0)
-    start, _ = recl.initial_candidates(8, (16,), cfg.sigma_x, cfg.seed)
-    square = lambda net, params, labels, cfg: lambda x, lam: {"rec": x.pow(2).sum()}
-    x, lam, report = recl.reconstruct(model, torch.tensor([0, 1] * 4), (16,), cfg, lambda *a: None, square)
+    start, _ = initial_candidates(8, (16,), cfg.sigma_x, cfg.seed)
+    square = with_loss(lambda x, lam: {"rec": x.pow(2).sum()})
+    x, lam, report = recl.reconstruct(model, torch.tensor([0, 1] * 4), (16,), cfg, QUIET, square)
     assert 10 < report["steps"] < 500 and report["failed"].startswith("diverged")  # it climbed, then overflowed
     torch.testing.assert_close(x, start)
     # the report describes the candidates returned: the start's loss, not the overflow
@@ -424,14 +334,12 @@ def test_a_reconstruction_ends_at_its_lowest_loss_at_any_number_of_steps(n_rec):
     model = models.remember_start(models.MLP(4, 2, hidden=3))
     seen = []
 
-    def bowl(net, params, labels, cfg):
-        def loss(x, lam):
-            value = (x.pow(2) - 0.5 * x).sum()
-            seen.append((value.item(), x.detach().clone()))
-            return {"rec": value}
-        return loss
+    def bowl(x, lam):
+        value = (x.pow(2) - 0.5 * x).sum()
+        seen.append((value.item(), x.detach().clone()))
+        return {"rec": value}
     cfg = run_config(n_rec=n_rec, lr_x=0.9, sigma_x=1.0)
-    x, _, report = recl.reconstruct(model, torch.tensor([0, 1]), (4,), cfg, lambda *a: None, bowl)
+    x, _, report = recl.reconstruct(model, torch.tensor([0, 1]), (4,), cfg, QUIET, with_loss(bowl))
     assert len(seen) == n_rec + 1  # every step's candidates scored, the last step's too
     lowest, best = min(seen, key=lambda pair: pair[0])
     torch.testing.assert_close(x, best)
@@ -454,14 +362,57 @@ def test_a_reconstruction_is_flagged_when_it_diverged_or_never_improved(losses, 
 def test_a_huge_step_size_ends_no_worse_than_the_start_and_is_flagged(tmp_path, capsys):
     """`--lr-x 1e6 --n-rec 5`: every reconstruction ends at a loss no higher than its first,
     and the run says so in its JSON, its summary line and the aggregate table."""
-    recl.main(["--variant", "recl", "--lr-x", "1e6", "--n-rec", "5", "--epochs", "1", "--n-per-class", "10",
+    cli.main(["--variant", "recl", "--lr-x", "1e6", "--n-rec", "5", "--epochs", "1", "--n-per-class", "10",
                "--out", str(tmp_path), "--quiet", "--rec-precision", "float32"])
     record = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert record["reconstructions"] and all(r["kept_loss"] <= r["first_loss"] for r in record["reconstructions"])
     assert record["failed_reconstructions"] == len(record["reconstructions"]) == 4
     assert "4 of 4 reconstructions FLAGGED" in capsys.readouterr().out
-    table = experiments.aggregate(tmp_path, lambda *a: None)
+    table = experiments.aggregate(tmp_path, QUIET)
     assert "| 4/4 |" in table
+
+
+# Departures: each one function on one extension point, switched by one setting (recl.py, part 2)
+
+PAPER_SETTINGS = {"dataset", "scenario", "method", "variant", "model", "seed", "n_per_class", "classes_per_task",
+                  "validation", "lr", "epochs", "batch_size", "hp", "m", "n_rec", "sigma_x", "lr_x", "lr_lambda",
+                  "lambda_min", "alpha", "rec_precision", "tuning", "trials", "device"}
+DEPARTURE_SWITCHES = {"rec_target", "freeze_old", "filter", "replay_noise", "ce_weight", "rec_optimizer", "ce_scope",
+                      "replay_batch", "backtrack", "budget"}
+
+
+def test_the_papers_part_of_recl_reads_only_the_papers_settings():
+    lines = (HERE / "recl.py").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("# 1. The paper"))
+    end = next(i for i, line in enumerate(lines) if line.startswith("# 2. Departures"))
+    read = {node.attr for node in ast.walk(ast.parse("\n".join(lines[start:end])))
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "cfg"}
+    assert {"sigma_x", "lr_x", "lr_lambda", "lambda_min", "alpha", "n_rec"} <= read <= PAPER_SETTINGS, read
+    assert not PAPER_SETTINGS & DEPARTURE_SWITCHES and PAPER_SETTINGS | DEPARTURE_SWITCHES <= set(config.FIELDS)
+
+    class Reads:  # a config that notes which settings a switch reads
+        def __init__(self):
+            self.names = set()
+
+        def __getattr__(self, name):
+            self.names.add(name)
+            return None
+    points = {f.name for f in dataclasses.fields(recl.Extensions)}
+    for name, (number, point, function, switch) in recl.DEPARTURES.items():
+        switch(reads := Reads())
+        assert point in points and reads.names and reads.names <= DEPARTURE_SWITCHES, name
+        assert f"# Departure {number}, " in "\n".join(lines[end:]), name  # its section in part 2
+    # --paper: every point the paper's own; each departure's switch alone puts its function there
+    paper = resolved("--paper")
+    assert recl.extensions(paper) == recl.Extensions()
+    on = {"displacement target": dict(rec_target="displacement"), "freeze old": dict(freeze_old=True),
+          "filter": dict(filter=True), "replay noise": dict(replay_noise=1.0), "inversion term": dict(ce_weight=0.1),
+          "adam": dict(rec_optimizer="adam"), "local cross-entropy": dict(ce_scope="local"),
+          "replay batch": dict(replay_batch=8), "backtracking": dict(backtrack=True)}
+    assert set(on) == set(recl.DEPARTURES)
+    for name, (_, point, function, _) in recl.DEPARTURES.items():
+        assert recl.extensions(dataclasses.replace(paper, **on[name])) == recl.Extensions(**{point: function}), name
+    assert recl.extensions(dataclasses.replace(paper, variant="inversion")) == recl.Extensions(loss=recl.inversion_loss)
 
 
 def test_earlier_reconstructions_stay_fixed_and_new_classes_start_from_noise():
@@ -477,12 +428,12 @@ def test_earlier_reconstructions_stay_fixed_and_new_classes_start_from_noise():
     earlier_x, earlier_lam = torch.randn(5, 16), torch.rand(5)
     cfg = run_config(n_rec=20, m=3)
     tasks = [data.Task([0, 1], torch.zeros(2, 16), torch.tensor([0, 1]), None, None)] * 2
-    x, y, lam, report = recl.reconstruct_old_data(model, tasks, cfg, lambda *a: None,
-                                                  earlier=(earlier_x, earlier_labels, earlier_lam))
+    x, y, lam, report = recl.reconstruct_old_data(model, tasks, cfg, QUIET, recl.extensions(cfg),
+                                                  last=(earlier_x, earlier_labels, earlier_lam))
     assert torch.equal(y, labels) and report["optimised"] == 7
     assert torch.equal(x[labels == 0], earlier_x[:3]) and torch.equal(lam[labels == 0], earlier_lam[:3])
     assert torch.equal(x[(labels == 1)][:2], earlier_x[3:]) and torch.equal(lam[labels == 1][:2], earlier_lam[3:])
-    start, start_lam = recl.initial_candidates(len(labels), (16,), cfg.sigma_x, cfg.seed)
+    start, start_lam = initial_candidates(len(labels), (16,), cfg.sigma_x, cfg.seed)
     moved = (x - start).flatten(1).norm(dim=1)
     free = torch.tensor([False] * 5 + [True] + [True] * 6)  # class 1's third slot, classes 2 and 3
     assert (moved[free] > 10 * cfg.sigma_x).all(), moved
@@ -544,9 +495,8 @@ def test_adam_moves_each_candidate_pixel_and_lambda_by_about_its_step_size():
     models.remember_start(model)
     cfg = run_config(rec_optimizer="adam", lr_x=0.05, lr_lambda=0.02, n_rec=1, m=1, sigma_x=1e-3,
                      rec_target="weights")
-    start = recl.initial_candidates(3, (1, 8, 8), cfg.sigma_x, cfg.seed)
-    x, lam, _ = recl.reconstruct(model, labels, (1, 8, 8), cfg, lambda *a: None, recl.objective_of(model),
-                                 (start[0].clone(), start[1].clone()))
+    start = initial_candidates(3, (1, 8, 8), cfg.sigma_x, cfg.seed)
+    x, lam, _ = step1(model, labels, (1, 8, 8), cfg)
     moved = (x - start[0]).abs()
     assert (moved > 0).float().mean() > 0.9  # the step was kept, and moved nearly every pixel
     assert torch.allclose(moved[moved > 0], torch.tensor(0.05), rtol=1e-3)  # Adam's first step: lr * sign
@@ -648,14 +598,14 @@ def test_local_ce_scores_each_group_among_its_own_classes_and_old_against_new_in
 def test_the_loop_tells_training_which_classes_are_old(monkeypatch):
     """run_continual passes the classes of earlier tasks to train_task in CIL, none in DIL."""
     seen, real_train = [], recl.train_task
-    def spy(model, x, y, hooks, state, cfg, n_replayed=0, n_old_classes=0):
+    def spy(model, x, y, hooks, state, cfg, n_replayed=0, n_old_classes=0, ext=recl.Extensions()):
         seen.append(n_old_classes)
-        return real_train(model, x, y, hooks, state, cfg, n_replayed, n_old_classes)
+        return real_train(model, x, y, hooks, state, cfg, n_replayed, n_old_classes, ext)
     monkeypatch.setattr(recl, "train_task", spy)
-    recl.run_continual(run_config("base", epochs=1, ce_scope="new"), synthetic_tasks("cil"), lambda *a: None)
+    recl.run_continual(run_config("base", epochs=1, ce_scope="new"), synthetic_tasks("cil"), QUIET)
     assert seen == [0, 2, 4]
     seen.clear()
-    recl.run_continual(run_config("base", scenario="dil", epochs=1), synthetic_tasks("dil"), lambda *a: None)
+    recl.run_continual(run_config("base", scenario="dil", epochs=1), synthetic_tasks("dil"), QUIET)
     assert seen == [0, 0, 0]
 
 
@@ -864,19 +814,19 @@ def test_a_replay_batch_adds_that_many_reconstructions_to_each_batch_of_the_task
 def test_run_continual_passes_each_reconstruction_on_to_the_next(monkeypatch):
     tasks = synthetic_tasks("cil", n_tasks=3)
     seen, real_step1 = [], recl.reconstruct_old_data
-    def spy(model, old_tasks, cfg, log=print, earlier=None):
-        seen.append(earlier)
-        out = real_step1(model, old_tasks, cfg, log, earlier)
+    def spy(model, old_tasks, cfg, log=print, ext=recl.Extensions(), last=None):
+        seen.append(last)
+        out = real_step1(model, old_tasks, cfg, log, ext, last)
         seen.append(out[0].clone())
         return out
     monkeypatch.setattr(recl, "reconstruct_old_data", spy)
-    recl.run_continual(run_config(epochs=2, n_rec=3, m=2, filter=False), tasks, lambda *a: None)
+    recl.run_continual(run_config(epochs=2, n_rec=3, m=2, filter=False), tasks, QUIET)
     first_earlier, made_before_task_2, second_earlier, made_before_task_3 = seen
     assert first_earlier is None
     assert torch.equal(second_earlier[0], made_before_task_2) and len(second_earlier) == 3  # x, labels, lambdas
     assert torch.equal(made_before_task_3[:4], made_before_task_2)  # classes 0 and 1 kept as they were
     seen.clear()
-    recl.run_continual(run_config(epochs=2, n_rec=3, m=2, freeze_old=False), tasks, lambda *a: None)
+    recl.run_continual(run_config(epochs=2, n_rec=3, m=2, freeze_old=False), tasks, QUIET)
     assert seen[0] is None and seen[2] is None
 
 
@@ -886,7 +836,7 @@ def test_filtered_candidates_are_not_trained_on(monkeypatch):
     trained_on = []
     real_train = recl.train_task
     monkeypatch.setattr(recl, "train_task", lambda model, x, y, *a: trained_on.append(len(x)) or real_train(model, x, y, *a))
-    record = recl.run_continual(run_config(epochs=1, n_rec=2, m=4), tasks, lambda *a: None)
+    record = recl.run_continual(run_config(epochs=1, n_rec=2, m=4), tasks, QUIET)
     (report,) = record["reconstructions"]
     assert (report["candidates"], report["kept"]) == (8, 4)
     assert trained_on == [len(tasks[0].x_train), len(tasks[1].x_train) + 4]
@@ -897,19 +847,19 @@ def test_joint_bound_trains_one_model_on_all_tasks_and_has_no_bwt(tmp_path, monk
     monkeypatch.setattr(models, "build_model", lambda name, shape, n: heads.append(n) or build(name, shape, n))
     for scenario, outputs in (("cil", 6), ("dil", 2)):
         record = recl.run_continual(run_config("base", scenario=scenario, method="joint", epochs=10),
-                                    synthetic_tasks(scenario), log=lambda *a: None)
+                                    synthetic_tasks(scenario), log=QUIET)
         assert record["method"] == "joint" and record["recl"] is False and record["BWT"] is None
         assert len(record["acc_matrix"]) == 1 and len(record["acc_matrix"][0]) == 3
         assert record["ACC"] == 100.0  # separable blobs, all seen together
         assert heads[-1] == outputs  # every class at once in CIL, the shared labels in DIL
-    recl.main(["--method", "joint", "--epochs", "1", "--n-per-class", "5", "--out", str(tmp_path), "--quiet"])
+    cli.main(["--method", "joint", "--epochs", "1", "--n-per-class", "5", "--out", str(tmp_path), "--quiet"])
     (written,) = [p.name for p in tmp_path.iterdir()]
     assert written.startswith("mnist-cil-joint-") and written.endswith("-seed0.json")
     line = f"python recl.py --method joint --epochs 1 --n-per-class 5 --out {tmp_path}"
     assert experiments.pending_runs([line]) == []  # the file it would write is the one just written
-    with pytest.raises(config.UsageError, match="nothing to reconstruct"):  # --variant recl would run plain joint
-        recl.main(["--method", "joint", "--variant", "recl", "--out", str(tmp_path)])
-    table = experiments.aggregate(tmp_path, lambda *a: None)
+    with pytest.raises(cli.UsageError, match="nothing to reconstruct"):  # --variant recl would run plain joint
+        cli.main(["--method", "joint", "--variant", "recl", "--out", str(tmp_path)])
+    table = experiments.aggregate(tmp_path, QUIET)
     assert "| joint | 1 |" in table and "| n/a |" in table
 
 
@@ -920,7 +870,7 @@ def test_every_method_runs_with_and_without_recl(method, scenario):
     for use_recl in (False, True):
         cfg = run_config("recl" if use_recl else "base", method=method, scenario=scenario, epochs=2,
                          **({"n_rec": 3, "m": 2} if use_recl else {}))
-        record = recl.run_continual(cfg, tasks, log=lambda *a: None)
+        record = recl.run_continual(cfg, tasks, log=QUIET)
         R = record["acc_matrix"]
         assert all(R[t][i] is not None for t in range(3) for i in range(t + 1))
         assert all(R[t][i] is None for t in range(3) for i in range(t + 1, 3))
@@ -940,7 +890,7 @@ def test_recl_helps_finetune_remember_on_synthetic_cil():
     # (-8.75 -> -11.25; base -10). 20 steps: measured BWT 0.0 against the base's -10, and
     # -6.25 when the same pipeline replays its starting noise (0 steps): the steps count
     cfg = run_config(scenario="cil", epochs=10, lr=0.05, n_rec=20, m=20, lr_x=1.0, ce_weight=0.0)
-    quiet = lambda *a: None
+    quiet = QUIET
     base = recl.run_continual(run_config("base", scenario="cil", epochs=10, lr=0.05), tasks, quiet)
     with_recl = recl.run_continual(cfg, tasks, quiet)
     noise = recl.run_continual(dataclasses.replace(cfg, n_rec=0), tasks, quiet)
@@ -950,7 +900,7 @@ def test_recl_helps_finetune_remember_on_synthetic_cil():
 def test_same_seed_gives_same_numbers():
     tasks = synthetic_tasks("cil")
     cfg = run_config(method="ewc", epochs=2, n_rec=5, m=2)
-    runs = [recl.run_continual(cfg, tasks, lambda *a: None) for _ in range(2)]
+    runs = [recl.run_continual(cfg, tasks, QUIET) for _ in range(2)]
     assert runs[0]["acc_matrix"] == runs[1]["acc_matrix"]
 
 
@@ -1003,12 +953,12 @@ def test_quality_ignores_scale_and_offset_but_not_content():
 
 
 def test_random_search_is_reproducible_and_stays_around_the_runs_own_values():
-    centre = {k: getattr(run_config(), k) for k in recl.SEARCH_SPACE}
-    draws = [recl.sample_hyperparameters(torch.Generator().manual_seed(5), centre) for _ in range(2)]
+    centre = {k: getattr(run_config(), k) for k in judging.SEARCH_SPACE}
+    draws = [judging.sample_hyperparameters(torch.Generator().manual_seed(5), centre) for _ in range(2)]
     assert draws[0] == draws[1]
     gen = torch.Generator().manual_seed(0)
-    hps = [recl.sample_hyperparameters(gen, centre) for _ in range(200)]
-    for name, factor in recl.SEARCH_SPACE.items():
+    hps = [judging.sample_hyperparameters(gen, centre) for _ in range(200)]
+    for name, factor in judging.SEARCH_SPACE.items():
         values = torch.tensor([hp[name] for hp in hps])
         assert (values >= centre[name] / factor).all() and (values <= centre[name] * factor).all()
         assert (values > centre[name]).any() and (values < centre[name]).any()  # both sides of the default
@@ -1019,23 +969,23 @@ def test_the_search_keeps_the_defaults_unless_a_draw_scores_higher(monkeypatch):
     """Sec. 4.3's searches: trial 1 is the defaults; a later draw replaces it only by scoring higher."""
     tried = []
 
-    def fake_step1(model, old_tasks, cfg, log, earlier):  # the search, not the reconstruction
+    def fake_step1(model, old_tasks, cfg, log, ext, last):  # the search, not the reconstruction
         tried.append(cfg.lr_x)
         labels = torch.tensor([0, 1])  # the unsup score: the lower this loss, the better
         return torch.zeros(2, 1), labels, torch.ones(2), {"failed": None, "first_loss": 1e9,
                                                           "kept_loss": abs(math.log(cfg.lr_x / 1e-3))}
 
     monkeypatch.setattr(recl, "reconstruct_old_data", fake_step1)
-    cfg, quiet = run_config(trials=6, tuning="unsup"), lambda *a: None
-    *_, chosen = recl.search_reconstruction(None, [None], cfg, quiet)  # prefers lr_x near 1e-3, far from the default
+    cfg, quiet = run_config(trials=6, tuning="unsup"), QUIET
+    *_, chosen = judging.search_reconstruction(None, [None], cfg, quiet)  # prefers lr_x near 1e-3, far from the default
     assert tried[0] == cfg.lr_x and len(tried) == 6
     assert chosen["hyperparameters"]["lr_x"] != cfg.lr_x
     assert chosen["score"] == max(-abs(math.log(v / 1e-3)) for v in tried)
     tried.clear()
-    monkeypatch.setattr(recl, "reconstruct_old_data", lambda model, old, cfg, log, earlier: (
+    monkeypatch.setattr(recl, "reconstruct_old_data", lambda model, old, cfg, log, ext, last: (
         tried.append(cfg.lr_x), torch.zeros(2, 1), torch.tensor([0, 1]), torch.ones(2),
         {"failed": None, "first_loss": 1e9, "kept_loss": float(cfg.lr_x != 3.0)})[1:])
-    *_, kept = recl.search_reconstruction(None, [None], cfg, quiet)
+    *_, kept = judging.search_reconstruction(None, [None], cfg, quiet)
     assert kept["hyperparameters"]["lr_x"] == cfg.lr_x and kept["score"] == 0.0
 
 
@@ -1049,10 +999,10 @@ def test_tuned_reconstruction_records_its_choice(tuning):
     assert len(trials) == 3
     assert f"lr_x {cfg.lr_x:.3g} " in trials[0] and f"alpha {cfg.alpha:.3g} " in trials[0]  # the defaults go first
     (report,) = record["reconstructions"]
-    assert set(report["hyperparameters"]) == set(recl.SEARCH_SPACE)
+    assert set(report["hyperparameters"]) == set(judging.SEARCH_SPACE)
     scores = [float(line.rsplit("score", 1)[1]) for line in trials]
     assert report["score"] == pytest.approx(max(scores), rel=1e-3)  # the best-scoring trial is the one kept
-    again = recl.run_continual(cfg, tasks, lambda *a: None)
+    again = recl.run_continual(cfg, tasks, QUIET)
     assert again["reconstructions"][0]["hyperparameters"] == report["hyperparameters"]
     assert again["acc_matrix"] == record["acc_matrix"]
 
@@ -1060,7 +1010,7 @@ def test_tuned_reconstruction_records_its_choice(tuning):
 def test_the_inversion_control_can_be_tuned_too():
     """Sec. 4.3's search draws only the settings its objective has (no lambdas for inversion)."""
     cfg = run_config(rec_objective="inversion", tuning="unsup", trials=2, epochs=1, n_rec=2, m=2)
-    record = recl.run_continual(cfg, synthetic_tasks("cil", n_tasks=2), lambda *a: None)
+    record = recl.run_continual(cfg, synthetic_tasks("cil", n_tasks=2), QUIET)
     (report,) = record["reconstructions"]
     assert set(report["hyperparameters"]) == {"sigma_x", "lr_x", "alpha"}
 
@@ -1069,7 +1019,7 @@ def test_each_runs_images_are_named_like_its_json(tmp_path):
     path = tmp_path / "my.data.pt"  # a dot in the name must not cost the images their distinct names
     torch.save({"x_train": torch.rand(40, 1, 8, 8), "y_train": torch.arange(40) % 4,
                 "x_test": torch.rand(8, 1, 8, 8), "y_test": torch.arange(8) % 4}, path)
-    recl.main(["--dataset", str(path), "--variant", "recl", "--save-images", "--seeds", "2", "--epochs", "1",
+    cli.main(["--dataset", str(path), "--variant", "recl", "--save-images", "--seeds", "2", "--epochs", "1",
                "--n-per-class", "5", "--n-rec", "2", "--out", str(tmp_path / "out"), "--quiet"])
     runs = sorted(p.stem for p in (tmp_path / "out").glob("*.json"))
     assert len(runs) == 2
@@ -1081,10 +1031,10 @@ def test_recon_quality_and_image_grid_are_written(tmp_path):
     cfg = run_config(epochs=2, n_rec=5, m=3)
     run = tmp_path / "mnist-cil-finetune+recl-seed0"
     judge = lambda old_tasks, x_rec: judging.report_reconstruction("finetune+recl", old_tasks, x_rec, cfg,
-                                                                  torch.zeros(1, 12, 12), run, lambda *a: None)
-    record = recl.run_continual(cfg, tasks, lambda *a: None, judge=judge)
+                                                                  torch.zeros(1, 12, 12), run, QUIET)
+    record = recl.run_continual(cfg, tasks, QUIET, judge=judge)
     assert [q["task"] for q in record["recon_quality"]] == [2, 3]
-    assert recl.run_continual(cfg, tasks, lambda *a: None)["recon_quality"] == []  # no judge
+    assert recl.run_continual(cfg, tasks, QUIET)["recon_quality"] == []  # no judge
     for q in record["recon_quality"]:
         for key in ("mean_ssim", "frac_ssim_above_0_4", "init_mean_ssim", "init_frac_ssim_above_0_4",
                     "real_mean_ssim", "real_frac_ssim_above_0_4"):
@@ -1291,7 +1241,7 @@ def test_a_users_pt_file_is_a_dataset(tmp_path):
     tasks, order, _, _ = data.make_tasks(str(path), 0, n_per_class=5, classes_per_task=3)
     assert len(tasks) == 2 and tasks[0].x_train.shape == (15, 1, 1, 12)
     out = tmp_path / "out"
-    recl.main(["--dataset", str(path), "--classes-per-task", "3", "--n-per-class", "5", "--epochs", "1",
+    cli.main(["--dataset", str(path), "--classes-per-task", "3", "--n-per-class", "5", "--epochs", "1",
                "--n-rec", "2", "--out", str(out), "--quiet"])
     assert sorted(p.name.split("-")[2] for p in out.iterdir()) == ["finetune", "finetune+recl"]
 
@@ -1376,7 +1326,7 @@ def test_resnet18_scores_when_evaluated_what_it_learned_in_training():
 def test_cnn_runs_a_recl_task_and_gpm_projects_its_convolutions():
     tasks = synthetic_tasks("cil", n_tasks=2, shape=(3, 12, 12))
     cfg = run_config(method="gpm", model="cnn", epochs=1, n_rec=3, m=2, filter=False)
-    record = recl.run_continual(cfg, tasks, lambda *a: None)
+    record = recl.run_continual(cfg, tasks, QUIET)
     assert record["reconstructions"][0]["kept"] == 4
     model = models.build_model("cnn", (3, 12, 12), 4)
     state = strategies.new_state("gpm", gpm_threshold=0.95)
@@ -1393,7 +1343,7 @@ def test_cnn_runs_a_recl_task_and_gpm_projects_its_convolutions():
 def test_non_homogeneous_models_run_a_recl_task(name):
     tasks = synthetic_tasks("dil", n_tasks=2, per_class=3, shape=(3, 8, 8))  # batches of 4 and 2
     cfg = run_config(method="ewc", model=name, scenario="dil", epochs=1, n_rec=2, m=2, batch_size=4, filter=False)
-    record = recl.run_continual(cfg, tasks, lambda *a: None)
+    record = recl.run_continual(cfg, tasks, QUIET)
     assert record["reconstructions"][0]["kept"] == 4
     assert all(a is not None for a in record["acc_matrix"][1])
 
@@ -1447,11 +1397,12 @@ def test_non_homogeneous_models_run_a_recl_task(name):
     (["--method", "joint", "--ce-scope", "new"], "joint trains all at once"),
     (["--variant", "base", "--rec-optimizer", "adam"], "--rec-optimizer applies to the \\+ReCL variant only"),
     (["--replay-batch", "2.5"], "invalid int value"),
+    (["--replay-noise", "-1"], "--replay-noise must be a finite number >= 0"),
 ])
 def test_bad_cli_values_are_rejected_with_a_reason(argv, words, monkeypatch, tmp_path):
     monkeypatch.setattr(recl, "run_continual", lambda *a, **k: pytest.fail("it trained"))
-    with pytest.raises(config.UsageError, match=words):
-        recl.main(argv + ["--out", str(tmp_path)])
+    with pytest.raises(cli.UsageError, match=words):
+        cli.main(argv + ["--out", str(tmp_path)])
 
 
 def magic_method(folder):
@@ -1467,113 +1418,113 @@ def test_bad_cli_input_exits_nonzero_with_one_line(started):
     assert len(lines) == 1 and "invalid choice: 'magic'" in lines[0]
 
 
-def test_help_gives_every_flag_a_meaning_and_the_presets_defaults():
-    parser = config.make_parser()
+ROW = {name: changes for name, _, changes in config.rows()}  # by name: "network: cnn", "steps: adam", ...
+GROUPS = ["alone", "data", "network", "paper", "method", "steps", "control", "search"]
+
+
+def test_help_gives_every_flag_a_meaning_and_the_rows_defaults():
+    parser = cli.make_parser()
     text = " ".join(parser.format_help().split())
     for action in parser._actions:
         assert action.help, f"{action.option_strings} has no help"
-    rec, cnn, resnet = config.RECONSTRUCTION, config.NETWORKS["cnn"][1], config.NETWORKS["resnet18"][1]
-    for shown in [f"(default: {rec['n_rec']}; {cnn['n_rec']} for the CNN and AlexNet, {resnet['n_rec']} for ResNet18)",
+    c, cnn, cnn_dil, resnet = config.Config(), ROW["network: cnn"], ROW["network: cnn dil"], ROW["network: resnet18"]
+    steps = lambda name, key="lr_x": ROW[f"steps: {name}"][key]
+    for shown in [f"(default: {c.n_rec}; {cnn['n_rec']} for the CNN and AlexNet, {resnet['n_rec']} for ResNet18)",
                   f"or 100 with all; {cnn['m']} for the CNN and AlexNet, {resnet['m']} for ResNet18",
-                  f"(default: 0; {cnn['replay_batch']} for the CNN and AlexNet, {resnet['replay_batch']} for ResNet18)",
-                  f"{cnn['replay_noise']['dil']:g} for the CNN and AlexNet in DIL and for ResNet18",
-                  "(default: off; on for AlexNet and ResNet18)", "(default: PRESETS; AlexNet's +ReCL and +inversion: the method alone's)",
-                  f"{rec['ce_weight']['cil']:g} in CIL, {cnn['ce_weight']['cil']:g} for the CNN and AlexNet in CIL",
-                  f"theta - theta_0 (default: {rec['rec_target']})", "first seed (default: 0)",
-                  f"(default: {rec['sigma_x']:g})", "classifies as their label (default: on)",
-                  f"(default: {rec['replay_noise']:g}, 0 for GPM, {cnn['replay_noise']['dil']:g} for the CNN", f"{rec['ce_weight']['cil']:g} in CIL",
-                  f"{config.LR_X['displacement']:g} for the displacement target",
-                  f"{config.LR_X['weights']:g} for the weights", f"{config.LR_X['inversion']['cil']:g} (CIL)",
-                  f"{config.LR_X['inversion']['dil']:g} (DIL)", f"(default: {config.LR_LAMBDA['sgd']:g}; with Adam {config.LR_LAMBDA['adam']:g})",
-                  f"(default: {rec['lambda_min']:g})", f"(default: {rec['alpha']:g})"]:
+                  f"(default: {c.replay_batch}; {cnn['replay_batch']} for the CNN and AlexNet, "
+                  f"{resnet['replay_batch']} for ResNet18)",
+                  f"(default: {c.replay_noise:g}, 0 for GPM, {cnn_dil['replay_noise']:g} for the CNN and AlexNet in "
+                  "DIL and for ResNet18)", "(default: off; on for AlexNet and ResNet18)",
+                  f"(default: {c.ce_weight:g} in CIL, {cnn['ce_weight']:g} for the CNN and AlexNet in CIL, "
+                  f"{ROW['data: dil']['ce_weight']:g} in DIL)", f"theta - theta_0 (default: {c.rec_target})",
+                  "first seed (default: 0)", f"(default: {c.sigma_x:g})", "classifies as their label (default: on)",
+                  f"(default: {c.lr_x:g} for the displacement target, {steps('weights'):g} for the weights, "
+                  f"{steps('inversion'):g} (CIL) and {steps('inversion dil'):g} (DIL) for inversion; with Adam "
+                  f"{steps('adam'):g}, the CNN's default, and {steps('resnet18'):g} for ResNet18)",
+                  f"(default: {c.lr_lambda:g}; with Adam {steps('adam', 'lr_lambda'):g})",
+                  f"(default: {c.lambda_min:g})", f"(default: {c.alpha:g})",
+                  f"(default: {c.rec_optimizer}; {cnn['rec_optimizer']} for the CNN, AlexNet and ResNet18)",
+                  f"(default: {c.ce_scope}; {cnn['ce_scope']} for the CNN's and AlexNet's +ReCL, except ER's)"]:
         assert shown in text, shown
-    assert config.PRESETS["cil"]["gpm"][1]["replay_noise"] == 0.0  # "0 for GPM" is true in both scenarios
-    assert config.PRESETS["dil"]["gpm"][1]["replay_noise"] == 0.0
-    assert cnn["replay_noise"]["dil"] == resnet["replay_noise"] and resnet["backtrack"]  # "... and ResNet18", "on"
-    alexnet = config.NETWORKS["alexnet"]  # "for the CNN and AlexNet", "on for AlexNet", "AlexNet's +ReCL"
-    assert alexnet[0] == {} and alexnet[1] == {**cnn, "backtrack": True} and config.ALONE_BUDGET == ("alexnet",)
-
-
-def resolved(*flags, variant="recl", seed=0):
-    args = config.make_parser().parse_args(list(flags))
-    config.check(args, probe_out=False)
-    return config.resolve(args, seed, variant)
+    # what the words claim of the rows: "for the CNN and AlexNet", "... and for ResNet18", "on for AlexNet",
+    # "0 for GPM" in both scenarios, "except ER's", "the CNN's default"
+    assert config.rows()[[n for n, _, _ in config.rows()].index("network: cnn")][1]["model"] == ("cnn", "alexnet")
+    assert resnet["replay_noise"] == cnn_dil["replay_noise"] and resnet["backtrack"] and ROW["network: alexnet"]["backtrack"]
+    for scenario in ("cil", "dil"):
+        assert resolved("--method", "gpm", "--scenario", scenario, "--model", "cnn").replay_noise == 0.0
+    assert resolved("--model", "cnn", "--method", "er").ce_scope == "all" and resolved("--model", "cnn").lr_x == steps("adam")
 
 
 def test_each_run_header_names_every_setting_it_resolved_to():
     cfg = resolved("--model", "cnn", "--validation", "--method", "ewc", seed=3)
     header = config.describe(cfg)
-    alone, changes = config.PRESETS["cil"]["ewc"]
     for shown in ["ewc+recl | cil | mnist (validation split) | cnn | seed 3 |", "100 per class, 2 per task",
-                  f"lr {changes['lr']:g}, {alone['epochs']} epochs, batch 64, local CE, ewc_lambda {changes['ewc_lambda']:g}",
-                  f"m 20, n_rec 30, sigma_x 0.001, lr_x {config.LR_X['adam']:g}, lr_lambda {config.LR_LAMBDA['adam']:g}, lambda_min 0.05, "
-                  "alpha 100", "rec_optimizer adam", "rec_target displacement", f"replay_noise {config.RECONSTRUCTION['replay_noise']:g}",
-                  "replay_batch 64", f"config {config.digest(cfg)}"]:
+                  "lr 0.1, 20 epochs, batch 64, local CE, ewc_lambda 100 |",  # EWC's +ReCL rows in CIL
+                  "| m 20, n_rec 30, sigma_x 0.001, lr_x 0.01, lr_lambda 0.01, lambda_min 0.05, alpha 100, "
+                  "rec_target displacement, freeze_old True, filter True, replay_noise 2.5, ce_weight 0.03, "
+                  "rec_optimizer adam, replay_batch 64, backtrack False, budget recl, rec_precision ",
+                  f", tuning naive | config {config.digest(cfg)}"]:
         assert shown in header, shown
+    # every +ReCL field that applies, in config.RECL_FIELDS' order, and none that does not (trials)
+    places = [header.index(f" {k} ") for k in config.RECL_FIELDS if getattr(cfg, k) is not None]
+    assert places == sorted(places) and "budget" in config.RECL_FIELDS and " trials " not in header
     base = config.describe(resolved("--method", "ewc", variant="base"))
-    assert f"lr {alone['lr']:g}," in base and "n_rec" not in base and "lr_x" not in base
+    assert "lr 0.01, 20 epochs" in base and "n_rec" not in base and "lr_x" not in base and "budget" not in base
     inversion = config.describe(resolved("--rec-objective", "inversion", variant="inversion"))
     assert "lr_lambda" not in inversion and "rec_target" not in inversion and "ce_weight" not in inversion
 
 
-def test_each_network_runs_its_own_settings_unless_a_flag_or_the_paper_says_otherwise():
-    """config.NETWORKS: the CNN's +ReCL variant reconstructs with Adam at its own step size;
-    the MLP, the method alone, explicit flags and --paper are untouched by it."""
-    cnn, mlp = resolved("--model", "cnn"), resolved()
-    assert (cnn.rec_optimizer, cnn.lr_x) == ("adam", config.LR_X["adam"])
-    assert (mlp.rec_optimizer, mlp.lr_x) == ("sgd", config.LR_X["displacement"])
-    assert resolved("--model", "cnn", "--rec-objective", "inversion", variant="inversion").rec_optimizer == "adam"
-    assert resolved("--model", "cnn", variant="base") == dataclasses.replace(resolved(variant="base"), model="cnn")
-    assert resolved("--model", "cnn", "--lr-x", "0.5").lr_x == 0.5
-    sgd = resolved("--model", "cnn", "--rec-optimizer", "sgd")  # another optimiser takes its own default step
-    assert (sgd.rec_optimizer, sgd.lr_x) == ("sgd", config.LR_X["displacement"])
-    paper = resolved("--model", "cnn", "--paper")
-    assert (paper.rec_optimizer, paper.lr_x, paper.ce_scope) == ("sgd", config.LR_X["weights"], "all")
-    assert resolved("--model", "cnn", "--rec-optimizer", "adam").lr_x == cnn.lr_x  # the network's optimiser, given
-    resnet = resolved("--model", "resnet18", "--scenario", "dil")  # its own step size, with its optimiser only
-    assert (resnet.rec_optimizer, resnet.lr_x, resnet.lr_lambda) == ("adam", 1e-3, config.LR_LAMBDA["adam"])
-    assert resolved("--model", "resnet18", "--rec-optimizer", "sgd").lr_x == config.LR_X["displacement"]
-    assert (sgd.lr_lambda, paper.lr_lambda) == (config.LR_LAMBDA["sgd"],) * 2
-    # a method's own +ReCL choice is the more specific: GPM replays without noise on the CNN too
-    cnn_dil = config.NETWORKS["cnn"][1]["replay_noise"]["dil"]
-    assert cnn_dil != 0 and resolved("--model", "cnn", "--scenario", "dil").replay_noise == cnn_dil
+def test_every_default_resolves_as_it_did_before_the_restructuring():
+    """docs/runs/defaults-3bb579d.json: every field of 1088 command lines' configs at the old commit
+    (/work/notes/dump_defaults.py), or their refusal; today's parser, check and resolve give the same."""
+    recorded = json.loads((HERE / "docs/runs/defaults-3bb579d.json").read_text())
+    differ = []
+    for line, old in recorded.items():
+        argv = line.split()
+        variant = "inversion" if "inversion" in argv else "base" if "base" in argv or "joint" in argv else "recl"
+        args = cli.make_parser().parse_args(argv)
+        try:
+            cli.check(args, probe_out=False)
+            new = dataclasses.asdict(config.resolve(args, 0, variant))
+        except cli.UsageError as err:
+            new = {"refused": str(err)}
+        if {k: new.get(k) for k in old} != old:
+            differ.append((line, {k: (v, new.get(k)) for k, v in old.items() if new.get(k) != v}))
+    assert len(recorded) == 1088 and 0 < sum("refused" in r for r in recorded.values()) < 1088
+    assert not differ, (len(differ), differ[:3])
+
+
+def test_resolve_reads_the_rows_group_by_group_in_the_order_its_docstring_gives():
+    listed = " ".join(config.resolve.__doc__.split()).split("groups: ")[1].split(";")[0].split(", ")
+    assert listed == GROUPS
+    groups = [name.split(":")[0] for name, _, _ in config.rows()]
+    assert set(groups) == set(GROUPS) and [GROUPS.index(g) for g in groups] == sorted(GROUPS.index(g) for g in groups)
+    assert sum(g == "method" for g in groups) == sum(len(s["rows"]) for s in strategies.STRATEGIES.values())
+    for name, when, changes in config.rows():  # only real settings: fields, or the method's own hyperparameters
+        own = set(strategies.defaults(when.get("method")))
+        assert set(when) <= set(config.FIELDS) and set(changes) <= set(config.FIELDS) | own, name
+        assert not own & set(when), name
+
+
+def test_rows_give_way_in_order_and_a_flag_beats_every_row(monkeypatch):
+    # a method's row beats a network's: GPM replays without noise, also where the CNN's DIL row says 1
+    assert resolved("--model", "cnn", "--scenario", "dil").replay_noise == ROW["network: cnn dil"]["replay_noise"] > 0
     assert resolved("--model", "cnn", "--scenario", "dil", "--method", "gpm").replay_noise == 0.0
-    # ER keeps CE over all classes: its memory of real images already teaches old against new
-    assert (cnn.ce_scope, resolved("--model", "cnn", "--method", "er").ce_scope) == ("local", "all")
-    assert resolved("--model", "cnn", "--method", "er", "--variant", "recl", "--ce-scope", "local").ce_scope == "local"
-    # ResNet18 replays at a fixed share and its reconstructions only descend (departures 9, 11)
-    assert (resnet.m, resnet.n_rec, resnet.replay_batch, resnet.replay_noise, resnet.backtrack) == (10, 15, 32, 1.0, True)
-    assert not resolved("--model", "resnet18", "--paper").backtrack and not cnn.backtrack
-    # AlexNet takes the CNN's column, chosen for it in DIL, but trains at the method alone's budget
-    alexnet = resolved("--model", "alexnet", "--scenario", "dil")
-    alone = resolved("--model", "alexnet", "--scenario", "dil", variant="base")
-    assert (alexnet.lr, alexnet.epochs) == (alone.lr, alone.epochs) != (resolved("--scenario", "dil").lr, 20)
-    assert dataclasses.replace(alexnet, model="cnn", lr=0.05, epochs=20, backtrack=False) == resolved(
-        "--model", "cnn", "--scenario", "dil")
-    assert resolved("--model", "alexnet", "--scenario", "dil", "--lr", "0.2").lr == 0.2  # a flag still wins
-    gpm = resolved("--model", "alexnet", "--method", "gpm")  # what a method's +ReCL column says of replay stays
-    assert (gpm.replay_noise, gpm.lr) == (0.0, resolved("--model", "alexnet", "--method", "gpm", variant="base").lr)
-    for variant in ("recl", "inversion"):  # and EWC keeps its own lambda: it trains exactly as alone
-        ewc = resolved("--model", "alexnet", "--scenario", "dil", "--method", "ewc", variant=variant)
-        ewc_alone = resolved("--model", "alexnet", "--scenario", "dil", "--method", "ewc", variant="base")
-        assert (ewc.lr, ewc.epochs, ewc.hp) == (ewc_alone.lr, ewc_alone.epochs, ewc_alone.hp)
-    assert resolved("--model", "cnn", "--scenario", "dil", "--method", "ewc").hp != ewc_alone.hp  # elsewhere +ReCL's
+    assert resolved("--model", "cnn", "--scenario", "dil", "--method", "gpm", "--replay-noise", "1.5").replay_noise == 1.5
+    # --paper comes after the networks: it switches off each departure their rows switched on
+    for model in models.MODELS:
+        paper = resolved("--model", model, "--paper")
+        assert recl.extensions(paper) == recl.Extensions() and paper.budget == "alone", model
+    # the step sizes come after --paper and the networks: Adam's, given or from a row, wherever it is
+    assert resolved("--model", "cnn", "--paper", "--rec-optimizer", "adam").lr_x == ROW["steps: adam"]["lr_x"]
+    # a row early (before the methods' rows) gives way to a method's row; one at the end does not; a flag beats both
+    for at, lr in ((1, 0.1), (len(config.ROWS), 0.3)):
+        monkeypatch.setattr(config, "ROWS", config.ROWS[:at] + [("data: test", {}, {"n_rec": 7, "lr": 0.3})]
+                            + config.ROWS[at:])
+        assert (resolved().n_rec, resolved().lr) == (7, lr)
+        assert (resolved("--n-rec", "9", "--lr", "0.2").n_rec, resolved("--n-rec", "9", "--lr", "0.2").lr) == (9, 0.2)
+        monkeypatch.undo()
 
-
-def test_a_networks_settings_sit_between_the_methods_and_the_flags(monkeypatch):
-    """Lowest first: the method alone (PRESETS, NETWORKS), then +ReCL's changes (PRESETS, NETWORKS)."""
-    monkeypatch.setitem(config.NETWORKS, "cnn", ({"lr": 0.02, "epochs": 7}, {"rec_optimizer": "adam", "n_rec": 30}))
-    alone, changes = config.PRESETS["cil"]["finetune"]
-    assert (resolved("--model", "cnn", variant="base").lr, resolved("--model", "cnn", variant="base").epochs) == (0.02, 7)
-    with_recl = resolved("--model", "cnn")
-    assert (with_recl.lr, with_recl.epochs) == (changes["lr"], changes["epochs"])  # +ReCL's budget still wins
-    assert (with_recl.n_rec, with_recl.lr_x) == (30, config.LR_X["adam"])
-    assert resolved("--model", "cnn", "--rec-optimizer", "sgd").lr_x == config.LR_X["displacement"]
-    assert resolved("--model", "cnn", "--paper").lr == 0.02  # --paper: the method alone's budget, on this network
-    for name, (alone, changes) in config.NETWORKS.items():  # only real settings, in the right column
-        fields = {f.name for f in dataclasses.fields(config.Config)}
-        assert name in models.MODELS and set(alone) | set(changes) <= fields, name
-        assert not set(alone) & set(config.RECONSTRUCTION), f"{name}: +ReCL settings belong in its second column"
 
 def test_a_config_holds_only_what_applies_and_its_digest_changes_with_any_setting():
     base, recl_, inversion = (resolved(variant=v) for v in ("base", "recl", "inversion"))
@@ -1587,23 +1538,22 @@ def test_a_config_holds_only_what_applies_and_its_digest_changes_with_any_settin
                   ["--n-per-class", "50"], ["--batch-size", "32"], ["--validation"], ["--sigma-x", "0.01"],
                   ["--ce-scope", "new"], ["--rec-optimizer", "adam"]):
         assert config.digest(resolved(*flags)) != config.digest(recl_), flags
-    # settings added later leave the digest alone at the value earlier runs had (their files keep their names)
+    # a flag at the value the rows give is the same run, in the same file
     for flags in (["--ce-scope", "all"], ["--rec-optimizer", "sgd"], ["--replay-batch", "0"], ["--no-backtrack"]):
         assert config.digest(resolved(*flags)) == config.digest(recl_), flags
-    resnet = resolved("--model", "resnet18")
     assert config.digest(resolved("--replay-batch", "8")) != config.digest(recl_)
     assert config.digest(resolved("--backtrack")) != config.digest(recl_)
 
 
 def test_method_hyperparameters_come_from_the_command_line(tmp_path):
-    recl.main(["--method", "agem", "--hp", "agem_patterns_per_task=7", "--variant", "base", "--epochs", "1",
+    cli.main(["--method", "agem", "--hp", "agem_patterns_per_task=7", "--variant", "base", "--epochs", "1",
                "--n-per-class", "5", "--out", str(tmp_path), "--quiet"])
     record = json.loads(next(tmp_path.glob("mnist-cil-agem-*-seed0.json")).read_text())
     assert record["config"]["hp"] == {"agem_patterns_per_task": 7, "agem_batch": 256}  # the rest: defaults
 
 
 def test_main_writes_one_json_per_run_named_by_its_config(tmp_path, capsys):
-    recl.main(["--method", "finetune", "--variant", "both", "--epochs", "1", "--n-per-class", "5",
+    cli.main(["--method", "finetune", "--variant", "both", "--epochs", "1", "--n-per-class", "5",
                "--n-rec", "2", "--out", str(tmp_path), "--quiet"])
     files = sorted(p.name for p in tmp_path.iterdir())
     assert len(files) == 2 and files[0].startswith("mnist-cil-finetune+recl-") and files[1].startswith(
@@ -1623,12 +1573,12 @@ def test_runs_with_different_settings_never_share_a_file_or_a_table_row(tmp_path
     """Once: a default run and the same command at --lr 0.5 into one folder left one file,
     a --paper run overwrote the +ReCL file, and aggregate showed them in one table."""
     common = ["--epochs", "1", "--n-per-class", "5", "--out", str(tmp_path), "--quiet"]
-    recl.main(common + ["--variant", "base"])
-    recl.main(common + ["--variant", "base", "--lr", "0.5"])
-    recl.main(common + ["--variant", "recl", "--n-rec", "2"])
-    recl.main(common + ["--variant", "recl", "--n-rec", "2", "--paper"])
+    cli.main(common + ["--variant", "base"])
+    cli.main(common + ["--variant", "base", "--lr", "0.5"])
+    cli.main(common + ["--variant", "recl", "--n-rec", "2"])
+    cli.main(common + ["--variant", "recl", "--n-rec", "2", "--paper"])
     assert len(list(tmp_path.glob("*.json"))) == 4
-    table = experiments.aggregate(tmp_path, lambda *a: None)
+    table = experiments.aggregate(tmp_path, QUIET)
     rows = [line for line in table.splitlines() if line.startswith("| finetune")]
     assert len(rows) == 4 and all("| 1 |" in row for row in rows)  # four rows of one seed, none averaged
     notes = [line for line in table.splitlines() if "differs from" in line]
@@ -1639,16 +1589,16 @@ def test_runs_with_different_settings_never_share_a_file_or_a_table_row(tmp_path
 
 def test_validation_runs_are_never_averaged_with_test_runs(tmp_path):
     common = ["--variant", "base", "--epochs", "1", "--n-per-class", "10", "--out", str(tmp_path), "--quiet"]
-    recl.main(common)
-    recl.main(common + ["--validation"])
-    table = experiments.aggregate(tmp_path, lambda *a: None)
+    cli.main(common)
+    cli.main(common + ["--validation"])
+    table = experiments.aggregate(tmp_path, QUIET)
     assert "### mnist, CIL\n" in table and "### mnist, CIL (validation split)" in table
     assert table.count("| finetune | 1 |") == 2
 
 
 def test_write_json_atomically_leaves_no_temporary_file(tmp_path):
     path = tmp_path / "sub" / "run.json"
-    config.write_json_atomically(path, {"ACC": 1.5})
+    cli.write_json_atomically(path, {"ACC": 1.5})
     assert json.loads(path.read_text()) == {"ACC": 1.5}
     assert [p.name for p in path.parent.iterdir()] == ["run.json"]
 
@@ -1667,52 +1617,52 @@ def test_a_diverged_run_says_so_exits_nonzero_and_is_never_averaged(started):
     (path,) = tmp_path.glob("*.json")
     record = json.loads(path.read_text())
     assert record["ACC"] is None and record["BWT"] is None and "of task" in record["diverged"]
-    config.write_json_atomically(tmp_path / "other-seed1.json", {**record, "seed": 1, "ACC": 60.0, "BWT": -30.0,
+    cli.write_json_atomically(tmp_path / "other-seed1.json", {**record, "seed": 1, "ACC": 60.0, "BWT": -30.0,
                                                                  "diverged": None, "acc_matrix": [[60.0]]})
-    table = experiments.aggregate(tmp_path, lambda *a: None)
+    table = experiments.aggregate(tmp_path, QUIET)
     assert "| finetune | 1 | 60.00 (0.00) |" in table  # the diverged seed is not in the mean
     assert "Diverged, not averaged: finetune seed 0 (training loss" in table
 
 
-def test_paper_preset_switches_off_each_departure_unless_a_flag_is_given():
+def test_paper_switches_off_each_departure_unless_a_flag_is_given():
     today, paper = resolved("--method", "ewc"), resolved("--method", "ewc", "--paper")
     assert (today.rec_target, today.freeze_old, today.filter) == ("displacement", True, True)
     assert today.replay_noise > 0 and today.lr_x == 3.0
     assert (paper.rec_target, paper.freeze_old, paper.filter, paper.replay_noise) == ("weights", False, False, 0.0)
-    assert paper.lr_x == 1.0 and (paper.n_rec, paper.m) == (100, 100)
-    own = config.preset("cil", "ewc", "base")  # the method's own training, not the +ReCL column
-    assert (paper.lr, paper.epochs, paper.hp) == (own["lr"], own["epochs"], {"ewc_lambda": own["ewc_lambda"]})
-    assert (paper.lr, paper.epochs) != (today.lr, today.epochs)
+    assert paper.lr_x == ROW["steps: weights"]["lr_x"] == 1.0 and (paper.n_rec, paper.m) == (100, 100)
+    own = resolved("--method", "ewc", variant="base")  # the method's own training, not its +ReCL rows
+    assert (paper.lr, paper.epochs, paper.hp) == (own.lr, own.epochs, own.hp) == (0.01, 20, {"ewc_lambda": 1000.0})
+    assert (paper.lr, paper.hp) != (today.lr, today.hp)
     mixed = resolved("--method", "ewc", "--paper", "--filter", "--rec-target", "displacement", "--replay-noise", "1",
                      "--epochs", "3")
     assert (mixed.filter, mixed.rec_target, mixed.replay_noise, mixed.epochs, mixed.freeze_old) == \
         (True, "displacement", 1.0, 3, False)
     assert (today.ce_weight, paper.ce_weight, resolved("--scenario", "dil").ce_weight) == (3e-4, 0.0, 0.0)
-    assert resolved("--rec-objective", "inversion", variant="inversion").lr_x == config.LR_X["inversion"]["cil"]
-    assert resolved("--scenario", "dil", variant="inversion").lr_x == config.LR_X["inversion"]["dil"]
+    assert resolved("--rec-objective", "inversion", variant="inversion").lr_x == ROW["steps: inversion"]["lr_x"]
+    assert resolved("--scenario", "dil", variant="inversion").lr_x == ROW["steps: inversion dil"]["lr_x"]
 
 
-def test_runs_start_from_the_presets_and_the_recl_column_unless_the_command_line_says_otherwise(monkeypatch):
-    monkeypatch.setitem(config.PRESETS, "cil", {"ewc": ({"lr": 0.02, "epochs": 1, "ewc_lambda": 5.0},
-                                                        {"lr": 0.07, "epochs": 2, "ewc_lambda": 50.0})})
+def test_runs_start_from_the_methods_rows_and_their_recl_budget_unless_the_command_line_says_otherwise(monkeypatch):
+    monkeypatch.setitem(strategies.STRATEGIES["ewc"], "rows", [
+        ({"scenario": "cil"}, {"lr": 0.02, "epochs": 1, "ewc_lambda": 5.0}),
+        ({"scenario": "cil", "budget": "recl"}, {"lr": 0.07, "epochs": 2, "ewc_lambda": 50.0})])
     base, with_recl = resolved("--method", "ewc", variant="base"), resolved("--method", "ewc")
     assert (base.lr, base.epochs, base.hp) == (0.02, 1, {"ewc_lambda": 5.0})
     assert (with_recl.lr, with_recl.epochs, with_recl.hp) == (0.07, 2, {"ewc_lambda": 50.0})
     given = resolved("--method", "ewc", "--lr", "0.03", "--hp", "ewc_lambda=9", "--epochs", "4")
     assert (given.lr, given.epochs, given.hp) == (0.03, 4, {"ewc_lambda": 9.0})  # the command line wins
-    lwf = resolved("--method", "lwf", variant="base")  # a method the table leaves out: the defaults
-    assert (lwf.lr, lwf.epochs) == (config.DEFAULT_TRAINING["lr"], config.DEFAULT_TRAINING["epochs"])
-    assert lwf.hp == strategies.defaults("lwf")
+    assert resolved("--method", "ewc", "--model", "alexnet").lr == 0.02  # AlexNet's +ReCL: the method alone's budget
+    monkeypatch.setitem(strategies.STRATEGIES["lwf"], "rows", [])  # a method without rows: the defaults
+    lwf = resolved("--method", "lwf", variant="base")
+    assert (lwf.lr, lwf.epochs, lwf.hp) == (config.Config().lr, config.Config().epochs, strategies.defaults("lwf"))
 
 
 def test_replay_noise_is_the_default_but_gpm_replays_without_and_the_flag_wins():
-    assert resolved().replay_noise == config.RECONSTRUCTION["replay_noise"] > 0
+    assert resolved().replay_noise == config.Config().replay_noise > 0
     for scenario in ("cil", "dil"):
         gpm = resolved("--method", "gpm", "--scenario", scenario)
-        assert gpm.replay_noise == 0.0 and gpm.lr == config.preset(scenario, "gpm", "recl")["lr"]
+        assert gpm.replay_noise == 0.0 and gpm.lr == 0.1  # and its +ReCL rows' lr
         assert resolved("--method", "gpm", "--scenario", scenario, "--replay-noise", "1.5").replay_noise == 1.5
-    with pytest.raises(config.UsageError, match="--replay-noise must be"):
-        resolved("--replay-noise", "-1")
 
 
 def test_an_out_that_cannot_take_files_is_refused_before_anything_trains(tmp_path, monkeypatch):
@@ -1720,8 +1670,8 @@ def test_an_out_that_cannot_take_files_is_refused_before_anything_trains(tmp_pat
     a_file = tmp_path / "file"
     a_file.write_text("")
     for out, words in ((a_file, "is a file"), (a_file / "under", "cannot write results there")):
-        with pytest.raises(config.UsageError, match=words):
-            recl.main(["--out", str(out)])
+        with pytest.raises(cli.UsageError, match=words):
+            cli.main(["--out", str(out)])
 
 
 def test_data_the_run_cannot_use_is_refused_before_anything_trains(tmp_path, monkeypatch):
@@ -1731,17 +1681,17 @@ def test_data_the_run_cannot_use_is_refused_before_anything_trains(tmp_path, mon
     flat = tmp_path / "flat.pt"
     torch.save({"x_train": torch.rand(40, 8), "y_train": torch.arange(40) % 4,
                 "x_test": torch.rand(8, 8), "y_test": torch.arange(8) % 4}, flat)
-    with pytest.raises(config.UsageError, match="--model cnn: the cnn needs images"):
-        recl.main(["--dataset", str(flat), "--model", "cnn", "--n-per-class", "5", "--out", str(tmp_path)])
+    with pytest.raises(cli.UsageError, match="--model cnn: the cnn needs images"):
+        cli.main(["--dataset", str(flat), "--model", "cnn", "--n-per-class", "5", "--out", str(tmp_path)])
     no_test = tmp_path / "no-test.pt"
     torch.save({"x_train": torch.rand(40, 8), "y_train": torch.arange(40) % 4,
                 "x_test": torch.rand(6, 8), "y_test": torch.tensor([0, 1, 2, 0, 1, 2])}, no_test)
-    with pytest.raises(config.UsageError, match="class 3 of task 2 has no test images"):
-        recl.main(["--dataset", str(no_test), "--n-per-class", "5", "--seeds", "3", "--out", str(tmp_path)])
+    with pytest.raises(cli.UsageError, match="class 3 of task 2 has no test images"):
+        cli.main(["--dataset", str(no_test), "--n-per-class", "5", "--seeds", "3", "--out", str(tmp_path)])
 
 
 def test_classes_left_out_by_the_split_are_named_and_recorded(tmp_path, capsys):
-    recl.main(["--classes-per-task", "3", "--variant", "base", "--epochs", "1", "--n-per-class", "5",
+    cli.main(["--classes-per-task", "3", "--variant", "base", "--epochs", "1", "--n-per-class", "5",
                "--out", str(tmp_path), "--quiet"])
     record = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert len(record["classes_left_out"]) == 1 and record["classes_left_out"][0] not in record["class_order"]
@@ -1750,9 +1700,9 @@ def test_classes_left_out_by_the_split_are_named_and_recorded(tmp_path, capsys):
 
 
 def test_run_all_gives_each_run_only_the_flags_it_uses():
-    assert config.without_flags(["--no-backtrack", "--seeds", "3", "--backtrack"], config.RECL_FLAGS) == ["--seeds", "3"]
-    assert config.without_flags(["--epochs", "3", "--n-rec", "50", "--no-filter", "--paper",
-                                 "--rec-precision=bfloat16", "--lr", "0.1", "--m", "7"], config.RECL_FLAGS) == \
+    assert cli.without_flags(["--no-backtrack", "--seeds", "3", "--backtrack"], cli.RECL_FLAGS) == ["--seeds", "3"]
+    assert cli.without_flags(["--epochs", "3", "--n-rec", "50", "--no-filter", "--paper",
+                                 "--rec-precision=bfloat16", "--lr", "0.1", "--m", "7"], cli.RECL_FLAGS) == \
         ["--epochs", "3", "--lr", "0.1"]
     base, inversion = (f"python recl.py --variant {v} --n-rec 5 --rec-target weights --quiet --out /nonexistent"
                        for v in ("base", "recl --rec-objective inversion"))
@@ -1770,20 +1720,11 @@ def test_run_all_gives_each_run_only_the_flags_it_uses():
 # 9. The experiment machinery (experiments.py, run_all.sh)
 # =============================================================================
 
-def fake_record(method, variant, seed, acc, bwt, scenario="cil", **settings):
-    """A run record as recl.main writes one, with the numbers given."""
-    cfg = config.Config(method=method, variant=variant, scenario=scenario, seed=seed, **settings)
-    return {"method": method, "variant": variant, "recl": variant != "base", "scenario": scenario,
-            "dataset": "mnist", "seed": seed, "ACC": acc, "BWT": bwt, "seconds": 10.0, "diverged": None,
-            "acc_matrix": [[acc]], "reconstructions": [], "recon_quality": [], "failed_reconstructions": 0,
-            "phase_seconds": {"reconstruct": 0.0}, "config": dataclasses.asdict(cfg), "digest": config.digest(cfg)}
-
-
 def test_aggregate_gives_mean_and_std_per_config_and_skips_what_is_not_a_run(tmp_path):
     for seed, (acc, bwt) in enumerate([(50, -40), (60, -30), (70, -20)]):
-        config.write_json_atomically(tmp_path / f"a{seed}.json", fake_record("ewc", "base", seed, acc, bwt))
-    config.write_json_atomically(tmp_path / "b.json", fake_record("ewc", "recl", 0, 80, -5))
-    config.write_json_atomically(tmp_path / "c.json", fake_record("finetune", "base", 0, 40, -50, "dil"))
+        cli.write_json_atomically(tmp_path / f"a{seed}.json", fake_record("ewc", "base", seed, acc, bwt))
+    cli.write_json_atomically(tmp_path / "b.json", fake_record("ewc", "recl", 0, 80, -5))
+    cli.write_json_atomically(tmp_path / "c.json", fake_record("finetune", "base", 0, 40, -50, "dil"))
     (tmp_path / ".d.json.123.tmp").write_text('{"half a')  # a run killed mid-write
     skipped = []
     for name, text in (("benchmark-cpu.json", '{"machine": {}, "steps": []}'), ("empty.json", "{}"),
@@ -1805,10 +1746,10 @@ def test_aggregate_draws_a_well_formed_chart_with_one_bar_per_method_and_variant
             for variant, acc in (("base", 50.0), ("recl", 70.0), ("inversion", 60.0)):
                 for seed in range(2):
                     record = fake_record(method, variant, seed, acc + seed, -10, scenario)
-                    config.write_json_atomically(tmp_path / f"{scenario}-{method}-{acc}-{seed}.json", record)
-    config.write_json_atomically(tmp_path / "d.json", {**fake_record("er", "base", 0, None, None), "diverged": "nan"})
+                    cli.write_json_atomically(tmp_path / f"{scenario}-{method}-{acc}-{seed}.json", record)
+    cli.write_json_atomically(tmp_path / "d.json", {**fake_record("er", "base", 0, None, None), "diverged": "nan"})
     for seed, lr in ((0, 0.5), (1, 0.01)):  # A-GEM at two learning rates, with two task counts: not one bar
-        config.write_json_atomically(tmp_path / f"agem-{seed}.json", {
+        cli.write_json_atomically(tmp_path / f"agem-{seed}.json", {
             **fake_record("agem", "base", seed, 50.0, -10, lr=lr), "acc_matrix": [[50.0]] * (seed + 1)})
     said = []
     experiments.aggregate(tmp_path, said.append)
@@ -1832,8 +1773,8 @@ def test_aggregate_draws_each_methods_accuracy_matrix_as_lines_one_panel_per_var
             forget = 10.0 if variant != "base" else 40.0 + 20 * seed  # task 1 after task 2: 90, or 60 and 40
             R = [[100.0, None, None], [100.0 - forget, 90.0, None], [50.0, 80.0, 70.0]]
             record = {**fake_record("finetune", variant, seed, 60.0, -20.0), "acc_matrix": R}
-            config.write_json_atomically(tmp_path / f"{variant}-{seed}.json", record)
-    experiments.aggregate(tmp_path, lambda *a: None)
+            cli.write_json_atomically(tmp_path / f"{variant}-{seed}.json", record)
+    experiments.aggregate(tmp_path, QUIET)
     root = ET.parse(tmp_path / "matrix-mnist-cil-finetune.svg").getroot()
     lines = {(l.get("data-panel"), l.get("data-task")): [tuple(map(float, p.split(",")))
                                                          for p in l.get("points").split()]
@@ -1845,9 +1786,9 @@ def test_aggregate_draws_each_methods_accuracy_matrix_as_lines_one_panel_per_var
     assert drop("method", 1) == pytest.approx(50 * per_point, abs=0.2)  # mean of 60 and 40
     assert drop("+ReCL", 1) == pytest.approx(10 * per_point, abs=0.2) and per_point > 0
     tuned_only = tmp_path / "tuned"  # only runs with tuned ReCL settings: nothing to draw, no crash
-    config.write_json_atomically(tuned_only / "t.json", {**fake_record("er", "recl", 0, 60.0, -20.0, tuning="unsup"),
+    cli.write_json_atomically(tuned_only / "t.json", {**fake_record("er", "recl", 0, 60.0, -20.0, tuning="unsup"),
                                                          "acc_matrix": R})
-    assert "er+recl (unsup)" in experiments.aggregate(tuned_only, lambda *a: None)
+    assert "er+recl (unsup)" in experiments.aggregate(tuned_only, QUIET)
     assert not list(tuned_only.glob("matrix-*.svg"))
 
 
@@ -1881,7 +1822,7 @@ def test_tune_searches_the_grid_on_validation_data_only(tmp_path, monkeypatch):
                         (["--validation"], "--validation does not apply"),
                         (["--dataset", str(path), "--model", "cnn", "--n-per-class", "10"],
                          "--model cnn: the cnn needs images")):
-        with pytest.raises(config.UsageError, match=words):
+        with pytest.raises(cli.UsageError, match=words):
             experiments.tune(argv + ["--out", str(tmp_path)])
 
 
@@ -1893,16 +1834,16 @@ def test_a_diverged_trial_counts_as_failed_in_the_search(tmp_path, monkeypatch):
     trials = json.loads(saved.read_text())["trials"]
     assert trials[0]["settings"]["lr"] == 0.01 and trials[0]["val_ACC"] > 0
     assert trials[1]["val_ACC"] is None and trials[1]["diverged"].startswith("training loss")
-    assert "| mnist | cil | finetune | lr 0.01, epochs 2 |" in experiments.aggregate(tmp_path, lambda *a: None)
+    assert "| mnist | cil | finetune | lr 0.01, epochs 2 |" in experiments.aggregate(tmp_path, QUIET)
 
 
 def test_aggregate_shows_the_searches_and_the_runs_side_by_side(tmp_path):
     trials = [{"settings": {"lr": 0.1, "epochs": 10}, "val_ACC": 40.0},
               {"settings": {"lr": 0.01, "epochs": 40}, "val_ACC": 55.5}]
-    config.write_json_atomically(tmp_path / "t.json", {"method": "er", "scenario": "dil", "dataset": "mnist",
+    cli.write_json_atomically(tmp_path / "t.json", {"method": "er", "scenario": "dil", "dataset": "mnist",
                                                        "seed": 0, "trials": trials, "config": {}})
-    config.write_json_atomically(tmp_path / "r.json", fake_record("er", "base", 0, 70, -5, "dil"))
-    table = experiments.aggregate(tmp_path, lambda *a: None)
+    cli.write_json_atomically(tmp_path / "r.json", fake_record("er", "base", 0, 70, -5, "dil"))
+    table = experiments.aggregate(tmp_path, QUIET)
     assert "| mnist | dil | er | lr 0.01, epochs 40 | 55.50 | 2 |" in table and "| er | 1 | 70.00" in table
 
 
@@ -1912,24 +1853,17 @@ def test_every_experiments_subcommand_explains_itself(capsys):
             experiments.main([command, "-h"])
         assert done.value.code == 0
         assert f"experiments.py {command}" in capsys.readouterr().out
-    with pytest.raises(config.UsageError, match="invalid choice"):
+    with pytest.raises(cli.UsageError, match="invalid choice"):
         experiments.main(["aggregat"])
 
 
 def test_benchmark_refuses_a_missing_gpu_and_an_unusable_out_before_it_starts(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(experiments, "matmul_peak", lambda *a: pytest.fail("it started"))
-    with pytest.raises(config.UsageError, match="no CUDA device"):
+    with pytest.raises(cli.UsageError, match="no CUDA device"):
         experiments.benchmark(["--device", "cuda"])
-    with pytest.raises(config.UsageError, match="is a folder"):
+    with pytest.raises(cli.UsageError, match="is a folder"):
         experiments.benchmark(["--out", str(tmp_path)])
-
-
-def run_all_dry(tmp_path, *args, **knobs):
-    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "DRY_RUN": "1", "SCENARIOS": "cil", **knobs}
-    result = subprocess.run(["bash", str(HERE / "run_all.sh"), *args], capture_output=True, text=True, env=env,
-                            cwd=tmp_path)
-    return result, [line for line in result.stdout.splitlines() if "recl.py" in line or "experiments.py" in line]
 
 
 def finished_run_flags(folder):
@@ -1939,7 +1873,7 @@ def finished_run_flags(folder):
 
 def run_all_beside_a_finished_run(folder):
     done = config.result_path(folder, resolved(*finished_run_flags(folder), variant="base"))
-    config.write_json_atomically(done, fake_record("finetune", "base", 0, 1, 1))
+    cli.write_json_atomically(done, fake_record("finetune", "base", 0, 1, 1))
     return lambda: run_all_dry(folder, "--epochs", "3", SEEDS="2", METHODS="finetune gpm", RESULTS=str(folder),
                                DATASETS="mnist cifar10", DATA_ROOT=str(folder))
 
@@ -1949,7 +1883,7 @@ def test_run_all_skips_finished_runs_and_runs_a_changed_config_again(started, mo
     (result, runs), tmp_path = started
     line = f"python recl.py {' '.join(finished_run_flags(tmp_path))} --variant base"
     assert experiments.pending_runs([line]) == []
-    monkeypatch.setitem(config.PRESETS, "cil", {"finetune": ({"lr": 0.5, "epochs": 20}, {})})
+    monkeypatch.setitem(strategies.STRATEGIES["finetune"], "rows", [({"scenario": "cil"}, {"lr": 0.5, "epochs": 20})])
     assert experiments.pending_runs([line]) == [line]  # a changed default is another config
     monkeypatch.undo()
     assert result.returncode == 0, result.stderr
@@ -1974,12 +1908,6 @@ def test_the_shipped_results_table_counts_as_done(started):
     assert runs == [] and "0 runs to do" in result.stdout
 
 
-def test_run_all_knows_every_method_and_dataset_the_code_knows():
-    text = (HERE / "run_all.sh").read_text()
-    words = lambda name: text.split(f'{name}="')[1].split('"')[0].split()
-    assert words("ALL_METHODS") == config.METHODS and words("ALL_DATASETS") == data.DATASETS
-
-
 def test_run_all_checks_its_knobs_in_one_line(tmp_path):
     for knobs, words in (({"SEEDS": "abc"}, "SEEDS must be a whole number"), ({"JOBS": "0"}, "JOBS must be"),
                          ({"METHODS": "bogus"}, "bogus is not one of"), ({"VARIANTS": "all"}, "all is not one of"),
@@ -1989,6 +1917,9 @@ def test_run_all_checks_its_knobs_in_one_line(tmp_path):
                          ({"TUNE": "1", "SWEEP": "m 10"}, "it takes no SWEEP")):
         result, _ = run_all_dry(tmp_path, **knobs)
         assert result.returncode == 2 and result.stderr.count("\n") == 1 and words in result.stderr, knobs
+        if "METHODS" in knobs or "DATASETS" in knobs:  # it knows every method and dataset the code knows
+            known = config.METHODS if "METHODS" in knobs else data.DATASETS
+            assert result.stderr.rstrip().endswith(f"is not one of: {' '.join(known)}"), result.stderr
 
 
 def quick_runs_given_knobs_flags_and_a_sweep(folder):
@@ -2000,7 +1931,7 @@ def quick_runs_given_knobs_flags_and_a_sweep(folder):
 @in_background(quick_runs_given_knobs_flags_and_a_sweep)
 def test_quick_presets_yield_to_explicit_knobs_flags_and_sweeps(started):
     ((result, runs), (_, swept)), _ = started
-    last = lambda line, flag: config.make_parser().parse_args(line.split("recl.py")[1].split()).__dict__[flag]
+    last = lambda line, flag: cli.make_parser().parse_args(line.split("recl.py")[1].split()).__dict__[flag]
     assert result.returncode == 0, result.stderr
     assert len(runs) == 9  # 3 seeds x 3 variants, not QUICK's one seed
     assert {last(r, "epochs") for r in runs} == {9} and sorted({last(r, "n_rec") for r in runs}, key=str) == [7, None]
@@ -2023,7 +1954,7 @@ def test_run_all_runs_the_joint_bound_once_per_seed_and_variants_as_asked(starte
 
 def sweep_with_one_run_finished(folder):
     finished = resolved("--method", "finetune", "--m", "25")
-    config.write_json_atomically(config.result_path(folder / "m-25", finished),
+    cli.write_json_atomically(config.result_path(folder / "m-25", finished),
                                  fake_record("finetune", "recl", 0, 1, 1))
     return lambda: run_all_dry(folder, "--n-rec", "100", SWEEP="m 10 25", METHODS="finetune", SEEDS="1",
                                RESULTS=str(folder), VARIANTS="base recl")
@@ -2075,10 +2006,10 @@ def test_queue_workers_claim_each_run_once_and_a_run_gives_what_it_gives_alone(t
               f"python recl.py --seed 7 {tiny} --out {tmp_path / 'queue'}"]  # fails with an unforeseen error
     (tmp_path / "commands").write_text("\n".join(lines) + "\n")
     (tmp_path / "claimed-1").touch()  # another worker has taken seed 1
-    real_main = recl.main
-    monkeypatch.setattr(recl, "main", lambda argv: (_ for _ in ()).throw(RuntimeError("boom")) if "7" in argv
+    real_main = cli.main
+    monkeypatch.setattr(cli, "main", lambda argv: (_ for _ in ()).throw(RuntimeError("boom")) if "7" in argv
                         else real_main(argv))
-    with pytest.raises(config.RunFailed, match="2 queued run"):
+    with pytest.raises(cli.RunFailed, match="2 queued run"):
         experiments.work_through_queue(tmp_path)
     done = sorted(p.name.split("-seed")[1] for p in (tmp_path / "queue").iterdir())
     assert done == ["0.json", "2.json"]  # the runs after the failures ran
@@ -2095,7 +2026,7 @@ def test_queue_workers_claim_each_run_once_and_a_run_gives_what_it_gives_alone(t
     without_time = lambda record: [{k: v for k, v in r.items() if k != "seconds"} for r in record["reconstructions"]]
     assert queued["acc_matrix"] == single["acc_matrix"] and without_time(queued) == without_time(single)
     assert experiments.work_through_queue(tmp_path) is None  # everything claimed: a second worker does nothing
-    with pytest.raises(config.UsageError, match="no file"):
+    with pytest.raises(cli.UsageError, match="no file"):
         experiments.work_through_queue(tmp_path / "queue")
 
 

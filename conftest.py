@@ -1,0 +1,152 @@
+"""Shared helpers and fixtures of test_recl.py: tiny tasks, a run's Config as the command line
+would make it, and the machinery that runs the slow subprocess tests in the background."""
+import dataclasses
+import os
+import subprocess
+import sys
+import types
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cli
+import config
+import data
+import models
+import recl
+
+HERE = Path(__file__).resolve().parent
+QUIET = lambda *a: None
+
+# The tests of the command line and of run_all.sh spend their time in the processes they
+# start, most of it importing torch, and what those do depends on nothing the other tests
+# do. So those marked @in_background(prepare) start theirs with the first test, one at a
+# time, while the rest run here on one thread: a core each (two threads here beside a
+# process there would wait on each other). Each gets what its processes gave as the
+# fixture `started` and checks it as before; selected alone (-k), a test starts only its own.
+torch.set_num_threads(1)
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}  # for a process that computes, started from here
+BACKGROUND = {}  # test name -> prepare
+
+
+def in_background(prepare):
+    """Mark a test whose processes run in the background: prepare(folder) readies the test's
+    own empty folder before the first test runs (so no test's monkeypatch is active), and
+    returns what to run in the background; the test's `started` is (what that returned, folder)."""
+    def mark(test):
+        arguments = test.__code__.co_varnames[:test.__code__.co_argcount]
+        assert "started" in arguments, f"{test.__name__} must take `started`"
+        BACKGROUND[test.__name__] = prepare
+        return test
+    return mark
+
+
+@pytest.fixture(scope="module", autouse=True)
+def background(request, tmp_path_factory):
+    selected = {item.originalname for item in request.session.items if getattr(item, "module", None) is request.module}
+    pool, started = ThreadPoolExecutor(max_workers=1), {}
+    for name, prepare in BACKGROUND.items():
+        if name in selected:
+            folder = tmp_path_factory.mktemp(name[5:35])
+            try:
+                started[name] = folder, pool.submit(prepare(folder))
+            except Exception as err:  # the test that owns it fails, not the module
+                started[name] = folder, Future()
+                started[name][1].set_exception(err)
+    yield started
+    pool.shutdown(cancel_futures=True)
+
+
+@pytest.fixture
+def started(request, background):
+    folder, outcome = background[request.node.originalname]
+    return outcome.result(timeout=600), folder  # a hung process fails its test, not the suite
+
+
+def run_config(variant="recl", **overrides):
+    """A run's Config as config.resolve makes it, with `overrides` standing for flags given on
+    the command line (lr 0.05 and 20 epochs unless given; float32 on the CPU, so that every
+    CPU gives the same numbers). rec_objective="inversion" makes it the inversion variant."""
+    args = cli.make_parser().parse_args([])
+    args.device, args.lr, args.epochs, args.hp = "cpu", 0.05, 20, {}
+    if overrides.get("rec_objective") == "inversion":
+        variant = "inversion"
+    if variant != "base":
+        args.rec_precision = "float32"
+    for k, v in overrides.items():
+        setattr(args, k, v)
+    return config.resolve(args, args.seed, variant)
+
+
+def resolved(*flags, variant="recl", seed=0):
+    """The Config of one run of a command line, checked as cli.main checks it."""
+    args = cli.make_parser().parse_args(list(flags))
+    cli.check(args, probe_out=False)
+    return config.resolve(args, seed, variant)
+
+
+def loss_terms(model, cfg, labels, x, lam, fixed=None):
+    """The terms Step 1 minimises for this run's config (its departures or the control)."""
+    net = models.with_smooth_relu(model, cfg.alpha).eval()
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    fixed = torch.zeros(len(labels), dtype=torch.bool) if fixed is None else fixed
+    L_full, _ = recl.full_loss(model, net, params, labels, x.detach(), lam.detach(), fixed, cfg, recl.extensions(cfg))
+    return L_full(x, lam)
+
+
+def step1(model, labels, input_shape, cfg, log=QUIET):
+    """recl.reconstruct with the run's departures (or the control): candidates, lambdas, report."""
+    return recl.reconstruct(model, labels, input_shape, cfg, log, recl.extensions(cfg))
+
+
+def initial_candidates(m, input_shape, sigma_x, seed):
+    """The paper's start (recl.random_start) for m candidates: x ~ N(0, sigma_x^2 I), lambda ~ U(0, 1)."""
+    cfg = types.SimpleNamespace(sigma_x=sigma_x, seed=seed)
+    x, lam, fixed = recl.random_start(torch.zeros(m, dtype=torch.long), input_shape, cfg)
+    assert not fixed.any()
+    return x, lam
+
+
+def with_loss(loss):
+    """Extensions whose L_full is `loss(x, lam)` -> terms, every other point the paper's."""
+    return recl.Extensions(loss=lambda *args: loss)
+
+
+def synthetic_tasks(scenario, n_tasks=3, per_class=6, shape=(1, 4, 4), seed=0):
+    """Well-separated Gaussian blobs, two classes per task, in the layout data.py makes."""
+    g = torch.Generator().manual_seed(seed)
+    n_classes = 2 * n_tasks
+    centres = torch.randn(n_classes, *shape, generator=g)
+
+    def sample(n):
+        y = torch.arange(n_classes).repeat_interleave(n)
+        return 0.5 * centres[y] + 0.05 * torch.randn(len(y), *shape, generator=g), y
+    (xtr, ytr), (xte, yte) = sample(per_class), sample(per_class)
+    return data.split_into_tasks(xtr, ytr, xte, yte, list(range(n_classes)), 2, scenario)
+
+
+def nearest_cosine(candidates, reference):
+    """For each reference image, the cosine similarity of its nearest candidate."""
+    a = F.normalize(candidates.flatten(1), dim=1)
+    b = F.normalize(reference.flatten(1), dim=1)
+    return (b @ a.T).amax(1)
+
+
+def fake_record(method, variant, seed, acc, bwt, scenario="cil", **settings):
+    """A run record as cli.main writes one, with the numbers given."""
+    cfg = config.Config(method=method, variant=variant, scenario=scenario, seed=seed, **settings)
+    return {"method": method, "variant": variant, "recl": variant != "base", "scenario": scenario,
+            "dataset": "mnist", "seed": seed, "ACC": acc, "BWT": bwt, "seconds": 10.0, "diverged": None,
+            "acc_matrix": [[acc]], "reconstructions": [], "recon_quality": [], "failed_reconstructions": 0,
+            "phase_seconds": {"reconstruct": 0.0}, "config": dataclasses.asdict(cfg), "digest": config.digest(cfg)}
+
+
+def run_all_dry(tmp_path, *args, **knobs):
+    """run_all.sh with DRY_RUN=1: its result and the run lines it printed."""
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "DRY_RUN": "1", "SCENARIOS": "cil", **knobs}
+    result = subprocess.run(["bash", str(HERE / "run_all.sh"), *args], capture_output=True, text=True, env=env,
+                            cwd=tmp_path)
+    return result, [line for line in result.stdout.splitlines() if "recl.py" in line or "experiments.py" in line]
