@@ -72,6 +72,16 @@ def without_flags(argv, names):
     return kept
 
 
+def default_of(flag):
+    """A flag's default as config.py writes it, once: Config's value, then each row that changes it."""
+    field, show = flag.replace("-", "_"), lambda v: f"{v:g}" if isinstance(v, float) else str(v)
+    value = getattr(config.Config(), field)
+    changed = [f"{name} {show(changes[field])}" for name, _, changes in config.rows()
+               if field in changes and changes[field] is not None]
+    return (f"(default: {'--n-per-class, or 100 with all' if value is None and field == 'm' else show(value)}"
+            + (f"; rows: {', '.join(changed)}" if changed else "") + ")")
+
+
 DESCRIPTION = ("Train a continual-learning method with and without ReCL (reconstruction of old data from the "
                "model) on a stream of tasks, and report ACC and BWT. Default: SplitMNIST from the shipped MNIST "
                "subset. Defaults not shown: config.py.")
@@ -104,56 +114,44 @@ def make_parser(prog="recl.py", description=DESCRIPTION):
     g.add_argument("--ce-scope", choices=["all", "new", "local"],
                    help="CIL: the cross-entropy of the task's own images over all classes, or over its new classes "
                         "only, so that they never push down old classes, or local: also replayed rows over the old "
-                        "classes only, and old against new learned by the head alone (default: all; local for "
-                        "the CNN's and AlexNet's +ReCL, except ER's)")
+                        f"classes only, and old against new learned by the head alone {default_of('ce-scope')}")
     p.add_argument("--hp", type=method_hyperparameter, action="append", default=[], metavar="KEY=VALUE",
                    help="a method hyperparameter, e.g. --hp ewc_lambda=1000 (default: the method's rows)")
-    g = p.add_argument_group("reconstruction (the +ReCL variant only; defaults: config.py)")
-    g.add_argument("--m", type=int, help="candidates per old class (default: --n-per-class, or 100 with all; "
-                                         "20 for the CNN and AlexNet, 10 for ResNet18; in DIL per class and old task)")
-    g.add_argument("--n-rec", type=int, help="reconstruction steps before each task (default: 100; 30 for the CNN "
-                                              "and AlexNet, 15 for ResNet18)")
-    g.add_argument("--sigma-x", type=float, help="std of the initial random candidates (default: 0.001)")
+    g = p.add_argument_group("reconstruction (the +ReCL variant only; each default is config.Config's, and "
+                             "the rows of config.ROWS named after it change it)")
+    flag = lambda name, meaning, **kw: g.add_argument(f"--{name}", help=f"{meaning} {default_of(name)}", **kw)
+    flag("m", "candidates per old class (in DIL per class and old task)", type=int)
+    flag("n-rec", "reconstruction steps before each task", type=int)
+    flag("sigma-x", "std of the initial random candidates", type=float)
     g.add_argument("--rec-objective", choices=["stationarity", "inversion"],
                    help="Eq. 3-6, or plain model inversion, the control (default: stationarity)")
-    g.add_argument("--lr-x", type=float, help="step size for the candidates (default: 3 for the displacement "
-                   "target, 1 for the weights, 0.003 (CIL) and 0.3 (DIL) for inversion; with Adam 0.01, "
-                   "the CNN's default, and 0.001 for ResNet18)")
-    g.add_argument("--lr-lambda", type=float, help="step size for the coefficients lambda_i (default: 0.1; with Adam 0.01)")
-    g.add_argument("--lambda-min", type=float, help="Eq. 4 pushes each lambda_i above this (default: 0.05)")
-    g.add_argument("--alpha", type=float, help="sharpness of the smooth ReLU backward (default: 100)")
-    g.add_argument("--rec-target", choices=["weights", "displacement"],
-                   help="fit theta (Eq. 3 as written) or theta - theta_0 (default: displacement)")
-    g.add_argument("--freeze-old", action=argparse.BooleanOptionalAction,
-                   help="classes reconstructed before keep their candidates, fixed (default: on)")
-    g.add_argument("--filter", action=argparse.BooleanOptionalAction,
-                   help="train only on candidates the model classifies as their label (default: on)")
-    g.add_argument("--replay-noise", type=float, help="std of the fresh noise on replayed reconstructions, in "
-                   "pixel stds of the task (default: 2.5, 0 for GPM, 1 for the CNN and AlexNet in DIL and for "
-                   "ResNet18)")
-    g.add_argument("--replay-batch", type=int, help="each training step adds this many reconstructions, drawn at "
-                   "random, to a batch of the task's own images, and an epoch is one pass over those; 0: the "
-                   "reconstructions join the task's data, as the paper (default: 0; 64 for the CNN and AlexNet, 32 "
-                   "for ResNet18)")
-    g.add_argument("--backtrack", action=argparse.BooleanOptionalAction, help="a reconstruction step that raises "
-                   "the loss is undone and the step sizes halved (default: off; on for AlexNet and ResNet18)")
-    g.add_argument("--ce-weight", type=float, help="weight of inversion's cross-entropy added to Eq. 6 "
-                   "(default: 0.0003 in CIL, 0.03 for the CNN and AlexNet in CIL, 0 in DIL)")
-    g.add_argument("--rec-optimizer", choices=["sgd", "adam"],
-                   help="the optimiser of the candidates and lambdas: SGD with momentum, as the paper, or Adam, "
-                        "as image inversion on conv nets (default: sgd; adam for the CNN, AlexNet and ResNet18)")
+    flag("lr-x", "step size for the candidates", type=float)
+    flag("lr-lambda", "step size for the coefficients lambda_i", type=float)
+    flag("lambda-min", "Eq. 4 pushes each lambda_i above this", type=float)
+    flag("alpha", "sharpness of the smooth ReLU backward", type=float)
+    flag("rec-target", "what Eq. 3 fits: theta as written, or theta - theta_0", choices=["weights", "displacement"])
+    flag("freeze-old", "classes reconstructed before keep their candidates, fixed",
+         action=argparse.BooleanOptionalAction)
+    flag("filter", "train only on candidates the model classifies as their label",
+         action=argparse.BooleanOptionalAction)
+    flag("replay-noise", "std of the fresh noise on replayed reconstructions, in pixel stds of the task",
+         type=float)
+    flag("replay-batch", "each training step adds this many reconstructions, drawn at random, to a batch of the "
+         "task's own images, and an epoch is one pass over those; 0: they join the task's data, as the paper",
+         type=int)
+    flag("backtrack", "a reconstruction step that raises the loss is undone and the step sizes halved",
+         action=argparse.BooleanOptionalAction)
+    flag("ce-weight", "weight of inversion's cross-entropy added to Eq. 6", type=float)
+    flag("rec-optimizer", "the optimiser of the candidates and lambdas: SGD with momentum, as the paper, or Adam, "
+         "as image inversion on conv nets", choices=["sgd", "adam"])
     g.add_argument("--paper", action="store_true", default=None,
-                   help="the paper as written: Eq. 3 on the weights, every class afresh, no filter, no replay "
-                        "noise, no cross-entropy term, SGD for the candidates, no replay batch, CE over all "
-                        "classes, no backtracking, the method's own training budget; explicit flags win")
-    g.add_argument("--rec-precision", choices=["auto", "float32", "bfloat16"],
-                   help="number format of the reconstruction's products (default auto: bfloat16 where the CPU "
-                        "has it)")
-    g.add_argument("--tuning", choices=["naive", "unsup", "sup"],
-                   help="the run's values (default: naive), or a search per task scored by the final L_full "
-                        "(unsup) or by SSIM to a few stored real images (sup) (Sec. 4.3)")
-    g.add_argument("--trials", type=int, help="random-search trials per task, with --tuning unsup or sup "
-                                              "(default: 10)")
+                   help="the paper as written: every departure off (config.ROWS' paper row), the method's own "
+                        "training budget; explicit flags win")
+    flag("rec-precision", "number format of the reconstruction's products (auto: bfloat16 where the CPU has it)",
+         choices=["auto", "float32", "bfloat16"])
+    flag("tuning", "the run's values (naive), or a search per task scored by the final L_full (unsup) or by SSIM "
+         "to a few stored real images (sup) (Sec. 4.3)", choices=["naive", "unsup", "sup"])
+    flag("trials", "random-search trials per task, with --tuning unsup or sup", type=int)
     g.add_argument("--save-images", action="store_true", default=None,
                    help="per task, a PNG of real images over their nearest reconstructions, and a .pt of them")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",

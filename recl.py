@@ -389,10 +389,14 @@ def adam(tensor, lr):
 # Why: the task's images then never push the old classes' logits down.
 def scoped_cross_entropy(model, xb, yb, own_rows, n_old_classes, cfg, replaying):
     scope = cfg.ce_scope if replaying or cfg.ce_scope != "local" else "new"  # local needs replayed rows
-    seen = []  # what the head takes in: the features
-    hook = model.head.register_forward_hook(lambda layer, inputs, out: seen.append(inputs[0]))
-    logits = model(xb)
-    hook.remove()
+    seen, hook = [], None  # with "local": what the head takes in, the features
+    if scope == "local":
+        hook = model.head.register_forward_hook(lambda layer, inputs, out: seen.append(inputs[0]))
+    try:
+        logits = model(xb)
+    finally:
+        if hook:
+            hook.remove()
     if not n_old_classes:
         return logits, F.cross_entropy(logits, yb)
     old, own = (torch.arange(logits.shape[1], device=logits.device) < n_old_classes)[None], own_rows[:, None]

@@ -8,7 +8,7 @@
 #   QUICK=1 bash run_all.sh              # 1 seed, few epochs and steps: minutes
 #                                        # (SEEDS=3 QUICK=1, QUICK=1 ... --epochs 10: yours win)
 #   JOBS=2 METHODS="finetune gpm" bash run_all.sh --epochs 30   # args pass through
-#   TUNE=1 JOBS=2 bash run_all.sh        # the validation search behind config.PRESETS
+#   TUNE=1 JOBS=2 bash run_all.sh        # the validation search behind the methods' rows
 #   SWEEP="m 10 25 50 75 125" METHODS=finetune bash run_all.sh   # a sensitivity study:
 #                                        # one folder per value, RESULTS/m-10, ..., each run with --m 10, ...
 #

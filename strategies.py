@@ -11,7 +11,7 @@ calls at fixed points:
 order; `state` is a plain dict the strategy keeps across tasks, starting from
 its hyperparameters (`STRATEGIES`, at the end). ReCL needs no hook at all: it
 only adds reconstructed samples to the training data, so it composes with every
-strategy here. Which settings each method runs with is in config.PRESETS.
+strategy here. Which settings each method runs with is in its rows, at the end.
 """
 import copy
 import math
