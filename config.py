@@ -91,9 +91,10 @@ ROWS = [
     ("data: dil", {"scenario": "dil", "variant": RECL}, {"ce_weight": 0.0}),
     # The conv nets: Adam (6), fewer candidates and steps, a replay batch (9), in CIL local CE (8)
     # and more inversion (5), in DIL less replay noise (docs/networks.md, "Second round").
-    ("network: cnn", NETWORK, {"rec_optimizer": "adam", "m": 20, "n_rec": 30, "replay_batch": 64,
+    ("network: cnn and alexnet", NETWORK, {"rec_optimizer": "adam", "m": 20, "n_rec": 30, "replay_batch": 64,
                                "ce_scope": "local", "ce_weight": 0.03}),
-    ("network: cnn dil", {**NETWORK, "scenario": "dil"}, {"replay_noise": 1.0, "ce_scope": "all", "ce_weight": 0.0}),
+    ("network: cnn and alexnet in dil", {**NETWORK, "scenario": "dil"},
+     {"replay_noise": 1.0, "ce_scope": "all", "ce_weight": 0.0}),
     # AlexNet also backtracks (11), at the method alone's budget: training harder bought
     # nothing and cost time (docs/networks.md, "Fourth round").
     ("network: alexnet", {**strategies.RECL, "model": "alexnet"}, {"backtrack": True, "budget": "alone"}),

@@ -1,6 +1,7 @@
 """Shared helpers and fixtures of test_recl.py: tiny tasks, a run's Config as the command line
 would make it, and the machinery that runs the slow subprocess tests in the background."""
 import dataclasses
+import gzip
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 import cli
@@ -88,6 +90,39 @@ def resolved(*flags, variant="recl", seed=0):
     return config.resolve(args, seed, variant)
 
 
+def displaced(model, size=0.1):
+    """`model` as if trained: every weight moved by N(0, size^2), a displacement to reconstruct from."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(size * torch.randn_like(p))
+    return model
+
+
+def small_batch_norm_net():
+    """Two convolutions, each followed by batch norm, then a head: a stand-in for ResNet18."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3, bias=False),
+                         nn.BatchNorm2d(4, momentum=None), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 3))
+
+
+@pytest.fixture(scope="module")
+def trained_on_eight_digits():
+    """A small homogeneous MLP trained to convergence on 8 real MNIST digits (3s and 7s)."""
+    torch.manual_seed(0)
+    images, labels = data.load_mnist_subset()
+    idx = torch.cat([(labels == c).nonzero()[:4, 0] for c in (3, 7)])
+    x = images[idx].float() / 255
+    x, y = x - x.mean(0), (labels[idx] == 7).long()
+    model = models.remember_start(models.MLP(784, 2, hidden=100))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for _ in range(2000):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert F.cross_entropy(model(x), y).item() < 1e-3
+    return model, x
+
+
 def loss_terms(model, cfg, labels, x, lam, fixed=None):
     """The terms Step 1 minimises for this run's config (its departures or the control)."""
     net = models.with_smooth_relu(model, cfg.alpha).eval()
@@ -108,6 +143,11 @@ def initial_candidates(m, input_shape, sigma_x, seed):
     x, lam, fixed = recl.random_start(torch.zeros(m, dtype=torch.long), input_shape, cfg)
     assert not fixed.any()
     return x, lam
+
+
+def train(model, x, y, cfg, hooks=None, n_replayed=0, n_old_classes=0):
+    """Step 2 (recl.train_task) with the run's departures on their points."""
+    return recl.train_task(model, x, y, hooks or {}, {}, cfg, n_replayed, n_old_classes, recl.extensions(cfg))
 
 
 def with_loss(loss):
@@ -144,9 +184,29 @@ def fake_record(method, variant, seed, acc, bwt, scenario="cil", **settings):
             "phase_seconds": {"reconstruct": 0.0}, "config": dataclasses.asdict(cfg), "digest": config.digest(cfg)}
 
 
-def run_all_dry(tmp_path, *args, **knobs):
+def write_idx(folder, n_train, n_test, g):
+    """MNIST's four IDX files (random images, labels 0-9 in turn) in `folder`."""
+    folder.mkdir(parents=True)
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        for kind, tensor in (("images-idx3", torch.randint(0, 256, (n, 28, 28), generator=g)),
+                             ("labels-idx1", torch.arange(n) % 10)):
+            header = bytes([0, 0, 8, tensor.dim()]) + b"".join(k.to_bytes(4, "big") for k in tensor.shape)
+            (folder / f"{prefix}-{kind}-ubyte.gz").write_bytes(gzip.compress(header + tensor.to(torch.uint8).numpy().tobytes()))
+
+
+def knowing_python(folder, then=f'exec {sys.executable} "$@"'):
+    """A stand-in for python that names the methods and datasets as run_all.sh asks (`python -c ...`)
+    without importing torch, and does `then` with anything else."""
+    fake = folder / "knowing-python"
+    fake.write_text(f'#!/bin/bash\nif [ "$1" = -c ]; then echo "{",".join(config.METHODS)} {",".join(data.DATASETS)}"; '
+                    f'exit 0; fi\n{then}\n')
+    fake.chmod(0o755)
+    return str(fake)
+
+
+def run_all_dry(tmp_path, *args, python=sys.executable, **knobs):
     """run_all.sh with DRY_RUN=1: its result and the run lines it printed."""
-    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "DRY_RUN": "1", "SCENARIOS": "cil", **knobs}
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": python, "DRY_RUN": "1", "SCENARIOS": "cil", **knobs}
     result = subprocess.run(["bash", str(HERE / "run_all.sh"), *args], capture_output=True, text=True, env=env,
                             cwd=tmp_path)
     return result, [line for line in result.stdout.splitlines() if "recl.py" in line or "experiments.py" in line]

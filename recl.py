@@ -10,7 +10,7 @@ trains on those reconstructions with the new task's data (Step 2, Sec. 4.2).
 
 Part 1 is the paper, whole, and `--paper` runs exactly it; its functions take named
 extension points (`Extensions`), each the paper's own step by default. Part 2 is our
-departures, each one function on one point, and the controls; part 3 what a run records.
+departures, each one function on one point, and the controls; part 3 helpers and records.
 The search of Sec. 4.3 is in judging.py, the command line in cli.py, every default of a
 run in config.py.
 """
@@ -45,10 +45,9 @@ import strategies
 #   L_prior  = sum_{i,k} relu(|x_ik| - 1)^2                                      (Eq. 5)
 #   L_full   = L_rec + L_lambda + L_prior                                        (Eq. 6)
 #
-# The form, the same in every run: like the public reference code (Buzaglo et
-# al. 2023) Eq. 4 and 5 use squared hinges, which keep the loss smooth (the
-# paper prints plain ones), with weight 5 on Eq. 4; the sum is scaled by 1/m so
-# that lambda_min means the same for any m; the norm runs over every parameter.
+# In every run, like the reference code (Buzaglo et al. 2023), Eq. 4 and 5 use squared
+# hinges (smooth; the paper prints plain ones), weight 5 on Eq. 4; the sum is scaled by
+# 1/m so that lambda_min means the same for any m; the norm runs over every parameter.
 
 def margins(model, params, x, y):
     """Phi_y(x) - max_{j != y} Phi_j(x) for a batch, with the network's weights as `params`."""
@@ -169,14 +168,6 @@ def reconstruct(model, labels, input_shape, cfg, log=print, ext=Extensions(), la
     x0[~fixed], lam0[~fixed] = best[1], best[2]
     report = reconstruction_report(losses, best, first_terms, memo.get("backtracks", 0))
     return x0, lam0, {"candidates": len(x0), "optimised": int((~fixed).sum()), "rec_scale": float(scale), **report}
-
-
-def descend(loss, optimizers):
-    for opt in optimizers:
-        opt.zero_grad()
-    loss.backward()
-    for opt in optimizers:
-        opt.step()
 
 
 def full_loss(model, net, params, labels, x0, lam0, fixed, cfg, ext=Extensions()):
@@ -487,8 +478,17 @@ def run_jointly(cfg, tasks, log=print):
 
 
 # =============================================================================
-# 3. What a run records
+# 3. Small helpers, and what a run records
 # =============================================================================
+
+def descend(loss, optimizers):
+    """One step of each optimiser on `loss`."""
+    for opt in optimizers:
+        opt.zero_grad()
+    loss.backward()
+    for opt in optimizers:
+        opt.step()
+
 
 class Diverged(Exception):
     """Training produced a non-finite loss; the run's numbers would be meaningless."""
