@@ -34,11 +34,13 @@ class RunFailed(Exception):
 
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line instead of usage + message
+        if "--variant: invalid choice: 'inversion'" in message:  # the tables call it a variant
+            message += "; the inversion control is --variant recl --rec-objective inversion"
         raise UsageError(message)
 
 
 def images_per_class(text):
-    return None if text == "all" else int(text)
+    return text if text == "all" else int(text)
 
 
 def method_hyperparameter(text):
@@ -78,7 +80,8 @@ def default_of(flag):
     value = getattr(config.Config(), field)
     changed = [f"{name} {show(changes[field])}" for name, _, changes in config.rows()
                if field in changes and changes[field] is not None]
-    return (f"(default: {'--n-per-class, or 100 with all' if value is None and field == 'm' else show(value)}"
+    value = "--n-per-class, or 100 with all" if value is None and field == "m" else "all" if value is None else value
+    return (f"(default: {show(value)}"
             + (f"; rows: {', '.join(changed)}" if changed else "") + ")")
 
 
@@ -88,28 +91,29 @@ DESCRIPTION = ("Train a continual-learning method with and without ReCL (reconst
 
 
 def make_parser(prog="recl.py", description=DESCRIPTION):
-    """Every flag that can be refused defaults to None, "not given": `resolve` fills in the presets."""
+    """Every flag a row may change defaults to None, "not given": `resolve` fills in config.py's values."""
     p = Parser(prog=prog, description=description)
-    p.add_argument("--scenario", choices=["cil", "dil"], default="cil",
+    C = config.Config  # the defaults, written once there
+    p.add_argument("--scenario", choices=["cil", "dil"], default=C.scenario,
                    help="class-incremental (a growing head) or domain-incremental (the same labels every task)")
-    p.add_argument("--method", choices=config.METHODS, default="finetune", help="the continual-learning method")
+    p.add_argument("--method", choices=config.METHODS, default=C.method, help="the continual-learning method")
     p.add_argument("--variant", choices=["both", "base", "recl"],
                    help="the method alone, with ReCL, or both on the same seeds (default: both)")
-    p.add_argument("--dataset", default="mnist", help=f"one of {', '.join(data.DATASETS)}, or a .pt file")
+    p.add_argument("--dataset", default=C.dataset, help=f"one of {', '.join(data.DATASETS)}, or a .pt file")
     p.add_argument("--data-root", help="where mnist-full, fashion-mnist, cifar10, tinyimagenet live "
-                                       "(default: data; mnist and .pt files do not use it)")
-    p.add_argument("--classes-per-task", type=int, help="classes per task (default: 2; 20 for tinyimagenet)")
-    p.add_argument("--model", choices=models.MODELS, default="mlp",
+                                       f"(default: {C.data_root}; mnist and .pt files do not use it)")
+    p.add_argument("--classes-per-task", type=int, help=f"classes per task {default_of('classes_per_task')}")
+    p.add_argument("--model", choices=models.MODELS, default=C.model,
                    help="the paper's homogeneous MLP or CNN, or a non-homogeneous AlexNet/ResNet18")
     p.add_argument("--seeds", type=int, help="number of seeds, each its own class order and init (default: 1)")
-    p.add_argument("--seed", type=int, default=0, help="first seed (default: 0)")
+    p.add_argument("--seed", type=int, default=C.seed, help=f"first seed (default: {C.seed})")
     g = p.add_argument_group("training")
     g.add_argument("--epochs", type=int, help="epochs per task (default: the method's rows)")
     g.add_argument("--lr", type=float, help="SGD learning rate (default: the method's rows)")
-    g.add_argument("--batch-size", type=int, default=64, help="training batch size (default: 64)")
-    g.add_argument("--n-per-class", type=images_per_class, default=100,
-                   help="training images per class, or 'all' (default: 100)")
-    g.add_argument("--validation", action="store_true",
+    g.add_argument("--batch-size", type=int, help=f"training batch size {default_of('batch_size')}")
+    g.add_argument("--n-per-class", type=images_per_class,
+                   help=f"training images per class, or 'all' {default_of('n_per_class')}")
+    g.add_argument("--validation", action="store_true", default=None,
                    help="score on 20%% of each task's training images, held out, not on the test set")
     g.add_argument("--ce-scope", choices=["all", "new", "local"],
                    help="CIL: the cross-entropy of the task's own images over all classes, or over its new classes "
@@ -154,8 +158,7 @@ def make_parser(prog="recl.py", description=DESCRIPTION):
     flag("trials", "random-search trials per task, with --tuning unsup or sup", type=int)
     g.add_argument("--save-images", action="store_true", default=None,
                    help="per task, a PNG of real images over their nearest reconstructions, and a .pt of them")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="auto: CUDA when present (default: auto)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help=f"auto: CUDA when present {default_of('device')}")
     p.add_argument("--out", default="results", help="folder for one JSON file per run (default: results)")
     p.add_argument("--quiet", action="store_true", help="print only one line per finished run")
     return p
@@ -170,7 +173,7 @@ def check(args, probe_out=True):
     """Refuse, in one line, what makes no sense or would do nothing, before any work starts.
     Fills args.hp as a dict of typed values. `probe_out`: also check that --out takes files."""
     positive = {"batch-size": args.batch_size, "seeds": args.seeds, "epochs": args.epochs, "lr": args.lr,
-                "n-per-class": args.n_per_class, "classes-per-task": args.classes_per_task, "m": args.m,
+                "n-per-class": None if args.n_per_class == "all" else args.n_per_class, "classes-per-task": args.classes_per_task, "m": args.m,
                 "n-rec": args.n_rec, "sigma-x": args.sigma_x, "lr-x": args.lr_x, "lr-lambda": args.lr_lambda,
                 "lambda-min": args.lambda_min, "alpha": args.alpha, "trials": args.trials}
     for flag, value in positive.items():
@@ -181,8 +184,14 @@ def check(args, probe_out=True):
             raise UsageError(f"--{flag} must be a finite number >= 0, got {value}")
     if args.replay_batch is not None and args.replay_batch < 0:
         raise UsageError(f"--replay-batch must be a whole number >= 0, got {args.replay_batch}")
-    if args.seed < 0:
-        raise UsageError(f"--seed must be >= 0, got {args.seed}")
+    if not 0 <= args.seed or args.seed + (args.seeds or 1) > MAX_SEED:
+        raise UsageError(f"--seed must be >= 0, and --seed plus --seeds at most {MAX_SEED}, got {args.seed}")
+    if (args.seeds or 1) > MAX_SEEDS:
+        raise UsageError(f"--seeds {args.seeds} is more than {MAX_SEEDS}, more runs than a table needs")
+    if args.lr is not None and args.lr > MAX_LR:
+        raise UsageError(f"--lr {args.lr:g} is above {MAX_LR:g}: SGD diverges at its first step")
+    if not str(args.out).strip():
+        raise UsageError("--out is empty; it must name a folder")
     if args.scenario == "dil" and args.classes_per_task == 1:
         raise UsageError("--classes-per-task 1 in DIL gives every task the one label 0: nothing to learn")
     args.hp = strategies.check_hyperparameters(args.method, args.hp, UsageError)
@@ -213,8 +222,8 @@ def check(args, probe_out=True):
     if args.data_root is not None and (args.dataset == "mnist" or args.dataset.endswith(".pt")):
         raise UsageError(f"--data-root: {args.dataset} is not read from a data folder; leave it out")
     most = data.MNIST_SUBSET_PER_CLASS - 1  # keep at least one test image
-    if args.dataset == "mnist" and (args.n_per_class or most + 1) > most:
-        raise UsageError(f"--n-per-class {args.n_per_class or 'all'} is more than mnist allows "
+    if args.dataset == "mnist" and args.n_per_class is not None and (args.n_per_class == "all" or args.n_per_class > most):
+        raise UsageError(f"--n-per-class {args.n_per_class} is more than mnist allows "
                          f"({most}; it holds {most + 1} images per class and needs some to test on)")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was asked for but no CUDA device is available")
@@ -236,6 +245,16 @@ def check_writable(folder):
         raise UsageError(f"--out {folder}: cannot write results there ({err.strerror or err})") from None
 
 
+MAX_SEED, MAX_SEEDS, MAX_LR = 2 ** 31, 1000, 10.0  # beyond them a seed overflows, a queue never ends, SGD diverges
+
+
+def memory_available(device):
+    """Bytes a run may fill: the GPU's free memory, or the machine's physical memory."""
+    if device == "cuda":
+        return torch.cuda.mem_get_info()[0]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def check_tasks(tasks, cfg):
     """What the data must give before the first task trains: a network that takes its images,
     and training and test images for every class of every task."""
@@ -243,6 +262,14 @@ def check_tasks(tasks, cfg):
         models.build_model(cfg.model, tasks[0].x_train.shape[1:], len(tasks[0].classes))
     except ValueError as err:
         raise UsageError(f"--model {cfg.model}: {err}") from None
+    if cfg.variant != "base":  # the largest tensors a run will hold, against the memory there is
+        numel, last = tasks[0].x_train[0].numel(), len(tasks[0].classes) * (len(tasks) - 1)
+        for what, rows in ((f"--m {cfg.m} candidates per class", cfg.m * last), (f"--replay-batch {cfg.replay_batch}",
+                                                                               cfg.replay_batch + cfg.batch_size)):
+            need, have = 4 * rows * numel, memory_available(cfg.device)
+            if need > have:
+                raise UsageError(f"{what}: {rows:,} images of {numel:,} numbers need {need / 2**30:,.1f} GiB, "
+                                 f"more than the {have / 2**30:,.1f} GiB of {cfg.device} memory")
     split = "validation" if cfg.validation else "test"
     for t, task in enumerate(tasks):
         for label, c in enumerate(task.classes):
@@ -270,6 +297,7 @@ def provenance():
         commit, dirty = None, False
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return {"commit": commit, "uncommitted_changes": dirty, "torch": torch.__version__, "device": device,
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "threads": torch.get_num_threads(), "python": sys.version.split()[0]}
 
 
@@ -335,7 +363,8 @@ def main(argv=None):
         judge = lambda old, x_rec: judging.report_reconstruction(name, old, x_rec, cfg, mean_image, image_path, log)
         record = recl.run_continual(cfg, tasks, log, judge, mean_image)
         record.update(dataset=config.dataset_name(cfg.dataset), class_order=class_order, classes_left_out=left_out,
-                      config=dataclasses.asdict(cfg), digest=config.digest(cfg), provenance=provenance())
+                      config=dataclasses.asdict(cfg), digest=config.digest(cfg), provenance=provenance(),
+                      **({"dataset_sha256": config.file_sha256(cfg.dataset)} if cfg.dataset.endswith(".pt") else {}))
         write_json_atomically(path, record)
         if record["diverged"]:
             failed.append(f"{name} {cfg.scenario} seed {cfg.seed} diverged: {record['diverged']} "

@@ -12,6 +12,7 @@ tuned rows, search grid). Adding a departure: one function and one entry in
 recl.DEPARTURES, its switch a field here, and one section in docs/departures.md.
 """
 import dataclasses
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -69,11 +70,15 @@ class Config:
     trials: int | None = None              # the search's trials per task
     paper: bool = False                    # --paper: every departure off
     # where
-    device: str = "cpu"
+    device: str = "auto"                   # auto: CUDA when present
+    set_by: dict = dataclasses.field(default_factory=dict)  # each value not a default: "flag" or its row's name
 
 
 FIELDS = [f.name for f in dataclasses.fields(Config)]
 RECL_FIELDS = FIELDS[FIELDS.index("m"):FIELDS.index("paper")]  # what the method alone does not use
+CLASH = {k for spec in strategies.STRATEGIES.values() for k in spec["hyperparameters"]} & set(FIELDS)
+if CLASH:  # a method's hyperparameters share the values `resolve` fills: their names must differ
+    raise ImportError(f"strategies.py: hyperparameter(s) {sorted(CLASH)} share a name with a Config field")
 
 # =============================================================================
 # The rows: (name, when, what changes), lowest first
@@ -102,7 +107,7 @@ ROWS = [
     ("network: resnet18", {**strategies.RECL, "model": "resnet18"},
      {"rec_optimizer": "adam", "m": 10, "n_rec": 15, "replay_batch": 32, "replay_noise": 1.0, "backtrack": True}),
     # The paper as written: every departure off, the method's own training budget.
-    ("paper", {"paper": True}, {"rec_target": "weights", "freeze_old": False, "filter": False, "replay_noise": 0.0,
+    ("paper", {"paper": True, "variant": RECL}, {"rec_target": "weights", "freeze_old": False, "filter": False, "replay_noise": 0.0,
                                 "ce_weight": 0.0, "rec_optimizer": "sgd", "replay_batch": 0, "ce_scope": "all",
                                 "backtrack": False, "budget": "alone"}),
     "methods",  # "method: NAME", each method's rows from strategies.py, in their order
@@ -132,19 +137,27 @@ def matches(when, values):
 def resolve(args, seed, variant):
     """The Config of one run, from the command line's `args` (None: not given).
 
-    Lowest first: Config's defaults; each row of `rows()` whose `when` matches the values so
-    far, in the order of their groups: alone, data, network, paper, method, steps, control,
-    search; then the flags given, which no row overrides. Last, what depends on the machine or
-    the data: --device auto, --rec-precision auto, and m None (as many as images per class)."""
+    Config's defaults, with the flags given over them; then each row of `rows()` whose `when`
+    matches the values so far, in the order of their groups: alone, data, network, paper, method,
+    steps, control, search; a row never overrides a flag, and matches on it (`--rec-optimizer
+    adam` brings Adam's step sizes). Last, what depends on the machine or the data: --device
+    auto, --rec-precision auto, and m None (as many as images per class)."""
     given = {k: v for k, v in vars(args).items() if v is not None and k in FIELDS and k not in ("seed", "variant")}
     given.update(dict(args.hp))  # --hp names the method's own hyperparameters
+    if given.get("n_per_class") == "all":
+        given["n_per_class"] = None  # every training image
     values = {**dataclasses.asdict(Config()), **strategies.defaults(args.method), "seed": seed, "variant": variant,
               **given}
+    set_by = {k: "flag" for k in given if k in FIELDS or k in strategies.defaults(args.method)}
     for name, when, changes in rows():
         if matches(when, values):
             values.update({k: v for k, v in changes.items() if k not in given})
+            set_by.update({k: name for k in changes if k not in given})
     values["hp"] = {k: values.pop(k) for k in strategies.defaults(args.method)}
-    values["paper"] = bool(values["paper"])
+    values["set_by"] = {k: v for k, v in set_by.items() if values.get(k, values["hp"].get(k)) is not None
+                        and k not in ("dataset", "scenario", "method", "model", "device", "n_per_class",
+                                      "batch_size", "validation", "hp", "paper")}
+    values["paper"] = bool(values["paper"]) and variant != "base"  # the method alone is the same run either way
     if values["device"] == "auto":
         values["device"] = "cuda" if torch.cuda.is_available() else "cpu"
     if variant != "base":
@@ -178,13 +191,26 @@ def reconstruction_precision(choice, device):
 
 # Where the data lives and which machine runs it do not define a run (the record's
 # provenance names the machine); the seed is in the file name.
-NOT_IN_DIGEST = ("seed", "device", "data_root")
+NOT_IN_DIGEST = ("seed", "device", "data_root", "set_by")
 
 
 def digest(cfg):
-    """Eight hex digits that change with any setting of the run except its seed."""
+    """Eight hex digits that change with any setting of the run except its seed. Your own .pt
+    counts by its contents, not its path: changed data runs again, one file by any path is one."""
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_IN_DIGEST}
+    if cfg.dataset.endswith(".pt") and Path(cfg.dataset).is_file():
+        settings["dataset"] = f"sha256:{file_sha256(cfg.dataset)}"
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
+
+
+def file_sha256(path):
+    path = Path(path).resolve()
+    return _sha256(path, path.stat().st_mtime_ns, path.stat().st_size)
+
+
+@functools.cache  # a file is read once per change
+def _sha256(path, mtime_ns, size):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def variant_name(method, variant):
@@ -219,5 +245,12 @@ def describe(cfg):
     if cfg.variant != "base":
         values = [f"{k} {getattr(cfg, k):g}" if isinstance(getattr(cfg, k), float) else f"{k} {getattr(cfg, k)}"
                   for k in RECL_FIELDS if getattr(cfg, k) is not None]
-        text += f" | {'the paper as written, ' if cfg.paper else ''}" + ", ".join(values)
+        paper = next(changes for name, _, changes in rows() if name == "paper")
+        except_ = [k for k, v in paper.items() if cfg.paper and getattr(cfg, k) != v]
+        text += (" | " + ("" if not cfg.paper else f"the paper as written, except {', '.join(except_)}: "
+                          if except_ else "the paper as written: ") + ", ".join(values))
+    by = {}  # where each value that is not Config's default came from
+    for k, source in cfg.set_by.items():
+        by.setdefault(source, []).append(k)
+    text += " | set by " + "; ".join(f"{s}: {', '.join(ks)}" for s, ks in by.items()) + "; the rest Config's"
     return text + f" | config {digest(cfg)}"

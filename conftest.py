@@ -210,3 +210,31 @@ def run_all_dry(tmp_path, *args, python=sys.executable, **knobs):
     result = subprocess.run(["bash", str(HERE / "run_all.sh"), *args], capture_output=True, text=True, env=env,
                             cwd=tmp_path)
     return result, [line for line in result.stdout.splitlines() if "recl.py" in line or "experiments.py" in line]
+
+
+# The background work of two run_all.sh tests: DRY_RUN lists and checks, and a list run through xargs.
+
+OWN = dict(x_train=torch.rand(60, 12), y_train=torch.arange(60) % 6, x_test=torch.rand(18, 12), y_test=torch.arange(18) % 6)
+
+
+def run_all_own_data_and_bad_flags(folder):
+    torch.save(OWN, folder / "x.pt")
+    (folder / "elsewhere").mkdir()
+    run = lambda *args, **knobs: run_all_dry(folder / "elsewhere", *args, METHODS="finetune", SEEDS="1", **knobs)
+    return lambda: [run("--classes-per-task", "3", "--n-per-class", "5", DATASETS="../x.pt", VARIANTS="base"),
+                    run("--ce-scope", "local", VARIANTS="base recl"), run(DATASETS="missing.pt"), run("--bogus", "3"),
+                    run(SWEEP="m -1 abc"), run(RESULTS=str(folder / "x.pt"))]
+
+
+def run_all_then_the_same_list_through_xargs(folder):
+    env = dict(PATH=os.environ["PATH"], PYTHON=sys.executable, OMP_NUM_THREADS="1", METHODS="finetune", SCENARIOS="cil",
+               SEEDS="2", VARIANTS="base recl")
+    run_all = lambda out, **knobs: subprocess.run(["bash", str(HERE / "run_all.sh"), "--epochs", "1", "--n-per-class",
+                                                   "5", "--n-rec", "2"], capture_output=True, text=True, cwd=HERE,
+                                                  env={**env, "RESULTS": str(folder / out), **knobs})
+    def both():
+        whole, listed = run_all("run_all"), run_all("xargs", DRY_RUN="1")
+        (folder / "runs.txt").write_text(listed.stdout)
+        return whole, listed, subprocess.run(f"xargs -P 2 -I{{}} sh -c '{{}}' < {folder / 'runs.txt'}", shell=True,
+                                             cwd=HERE, capture_output=True, text=True, env={**os.environ, **env})
+    return both

@@ -336,7 +336,8 @@ def make_tasks(dataset, seed, n_per_class=100, scenario="cil", classes_per_task=
     classes = torch.unique(y_train)
     n_tasks = len(classes) // classes_per_task
     if n_tasks < 2:
-        raise DataError(f"{dataset} has {len(classes)} classes: too few for two tasks of {classes_per_task}")
+        raise DataError(f"{dataset} has {len(classes)} class{'es' * (len(classes) != 1)}: too few for two tasks of "
+                        f"{classes_per_task}")
     class_order = classes[torch.randperm(len(classes), generator=generator)][:n_tasks * classes_per_task].tolist()
     if x_test is None:  # one pool: hold out what is not used for training
         if n_per_class is None:

@@ -82,34 +82,37 @@ def pending_runs(lines, say=lambda message: print(message, file=sys.stderr)):
             continue
         kind, argv = command
         value = lambda flag: argv[argv.index(flag) + 1:][:1] if flag in argv else []
-        unused = (cli.RECL_FLAGS if value("--method") == ["joint"] or value("--variant") == ["base"]
-                  else cli.NOT_FOR_INVERSION if value("--rec-objective") == ["inversion"] else ())
+        alone = value("--method") == ["joint"] or value("--variant") == ["base"]
+        unused = (cli.RECL_FLAGS if alone else cli.NOT_FOR_INVERSION if value("--rec-objective") == ["inversion"]
+                  else ())
         if kind == "tune":  # a search refuses what it does not search, but for this one
             unused = ()
-        if value("--scenario") == ["dil"] or value("--method") == ["joint"]:
-            unused = (*unused, "ce_scope")  # a class-incremental setting
+        if value("--scenario") == ["dil"] or value("--method") == ["joint"] or (alone and value("--ce-scope") == [
+                "local"]):  # a class-incremental setting; local needs replayed rows
+            unused = (*unused, "ce_scope")
         if unused:
             kept = cli.without_flags(argv, unused)
             words = shlex.split(line)
             line, argv = shlex.join(words[:len(words) - len(argv)] + kept), kept
-        try:
+        try:  # every line checked before any runs: a bad flag stops them all, in one line
             args = (tune_parser() if kind == "tune" else cli.make_parser()).parse_args(argv)
             cli.check(args, probe_out=False)
-        except UsageError:  # let the run itself say what is wrong
-            todo.append(line)
-            continue
+        except UsageError as err:
+            raise UsageError(f"{err} (nothing was run; the first line refused: {line.strip()})") from None
         if args.dataset not in loadable:  # each dataset once: a dataset that cannot load skips its runs
             try:
                 data.load(args.dataset, args.data_root or "data")
                 loadable[args.dataset] = True
             except data.DataError as err:
+                if args.dataset.endswith(".pt"):  # your own file: nothing to skip to
+                    raise UsageError(f"{args.dataset}: {err}") from None
                 loadable[args.dataset] = False
                 say(f"skipping {args.dataset}: {err}")
         if not loadable[args.dataset]:
             continue
         paths = [tuning_path(args)] if kind == "tune" else result_paths(args)
         if not all(path.exists() for path in paths):
-            todo.append(line)
+            todo.append(line.rstrip())
     return todo
 
 
@@ -215,7 +218,9 @@ def summary_table(records):
     notes, first_of = [], {}
 
     def cell(values, digits=2):
-        return "" if not values or None in values else "{:.{d}f} ({:.{d}f})".format(*mean_std(values), d=digits)
+        if not values or None in values:
+            return ""
+        return f"{values[0]:.{digits}f}" if len(values) == 1 else "{:.{d}f} ({:.{d}f})".format(*mean_std(values), d=digits)
 
     for (name, key), runs in groups.items():
         label = name if names.count(name) == 1 else f"{name} [{key}]"
@@ -233,7 +238,7 @@ def summary_table(records):
                     f"{cell([r['BWT'] for r in runs]) or 'n/a'} | {cell(ssim_, 3)} | {cell(rec_s, 1)} | "
                     f"{statistics.mean(r['seconds'] for r in runs):.1f} | {flagged} |")
     rows += [f"\n{note}" for note in notes]
-    rows += [f"\nDiverged, not averaged: {run_name(r)} seed {r['seed']} ({r['diverged']})"
+    rows += [f"\nDiverged, not averaged: {run_name(r)} [{r.get('digest', '?')}] seed {r['seed']} ({r['diverged']})"
              for r in records if r.get("diverged")]
     return "\n".join(rows)
 
@@ -315,7 +320,7 @@ def chart_svg(records, dataset):
                     parts.append(f'<rect class="bar" data-method="{name}" data-scenario="{scenario}" x="{bx:.1f}" '
                                  f'y="{y(mean):.1f}" width="{bar_w - 2}" height="{y(0) - y(mean):.1f}" '
                                  f'fill="{colour}"><title>{name} {scenario.upper()}: '
-                                 f'{mean:.2f} ({std:.2f}), {len(accs)} seeds</title></rect>')
+                                 f'{mean:.2f} ({std:.2f}), {len(accs)} seed{"s" * (len(accs) != 1)}</title></rect>')
                     cx = bx + (bar_w - 2) / 2
                     parts.append(f'<line x1="{cx:.1f}" y1="{y(min(100, mean + std)):.1f}" x2="{cx:.1f}" '
                                  f'y2="{y(max(0, mean - std)):.1f}" stroke="#333"/>')
@@ -365,7 +370,7 @@ def matrix_svg(records, dataset, scenario, method):
         R = mean_accuracy_matrix(runs)
         acc = statistics.mean(r["ACC"] for r in runs)
         parts.append(f'<text x="{x(p, 0)}" y="{top - 8}" font-weight="bold">{escape(method if label == "method" else method + label)}'
-                     f' (ACC {acc:.1f}, {len(runs)} seeds)</text>')
+                     f' (ACC {acc:.1f}, {len(runs)} seed{"s" * (len(runs) != 1)})</text>')
         for tick in range(0, 101, 20):
             parts.append(f'<line x1="{x(p, 0) - 4}" y1="{y(tick)}" x2="{x(p, n_tasks - 1)}" y2="{y(tick)}" '
                          f'stroke="#ddd"/><text x="{x(p, 0) - 6}" y="{y(tick) + 4}" text-anchor="end">{tick}</text>')
@@ -756,7 +761,11 @@ def main(argv=None):
     if args.command == "aggregate":
         print(aggregate(args.folder))
     elif args.command == "pending":
-        print("\n".join(pending_runs(sys.stdin.read().splitlines())))
+        try:
+            todo = pending_runs(sys.stdin.read().splitlines())
+        except UsageError as err:
+            sys.exit(f"run_all: {err}")
+        print("\n".join(todo))
     else:
         work_through_queue(args.folder)
 

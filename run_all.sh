@@ -22,8 +22,22 @@
 # Without RESULTS=..., QUICK=1 and extra arguments choose their own folder.
 # Datasets that cannot be loaded (say, CIFAR10 on a machine without internet)
 # are skipped with one line saying why.
-# Knobs: DATASETS SCENARIOS METHODS VARIANTS SEEDS JOBS RESULTS DATA_ROOT QUICK TUNE SWEEP PYTHON DRY_RUN.
+# Knobs: DATASETS SCENARIOS METHODS VARIANTS SEEDS JOBS DEVICES RESULTS DATA_ROOT QUICK TUNE SWEEP PYTHON DRY_RUN.
+# DEVICES="0 1": worker j runs on GPU DEVICES[j mod n] (CUDA_VISIBLE_DEVICES); each JSON names its device.
+# DRY_RUN=1 prints one runnable command per line on stdout (the count goes to stderr), for xargs -P,
+# GNU parallel or a SLURM job array: every run skips a result that exists and writes atomically.
 set -euo pipefail
+refuse() { echo "run_all: $1" >&2; exit 2; }
+# Your own .pt files are read from where you are, wherever run_all.sh lives.
+datasets=()
+for dataset in ${DATASETS:-mnist}; do
+  if [[ "$dataset" == *.pt ]]; then
+    [ -f "$dataset" ] || refuse "DATASETS: the file $dataset does not exist (from $(pwd))"
+    dataset=$(cd "$(dirname "$dataset")" && pwd)/$(basename "$dataset")
+  fi
+  datasets+=("$dataset")
+done
+DATASETS="${datasets[*]}"
 cd "$(dirname "$0")"
 
 PYTHON=${PYTHON:-python}
@@ -39,10 +53,10 @@ VARIANTS=${VARIANTS:-base recl inversion}  # inversion: ReCL's pipeline with the
 SEEDS_GIVEN=${SEEDS:-}
 SEEDS=${SEEDS:-5}
 JOBS=${JOBS:-1}
+read -r -a DEVICE_LIST <<< "${DEVICES:-}"
 TUNE=${TUNE:-0}
 DATA_ROOT=${DATA_ROOT:-data}
 EXTRA=("$@")
-refuse() { echo "run_all: $1" >&2; exit 2; }
 within() {  # within KNOB "VALUES" "ALLOWED": every value is one of the allowed words
   local value
   for value in $2; do
@@ -52,6 +66,9 @@ within() {  # within KNOB "VALUES" "ALLOWED": every value is one of the allowed 
 }
 [[ "$SEEDS" =~ ^[1-9][0-9]*$ ]] || refuse "SEEDS must be a whole number of seeds, at least 1, got \"$SEEDS\""
 [[ "$JOBS" =~ ^[1-9][0-9]*$ ]] || refuse "JOBS must be a whole number of workers, at least 1, got \"$JOBS\""
+for device in ${DEVICE_LIST[@]+"${DEVICE_LIST[@]}"}; do
+  [[ "$device" =~ ^[0-9]+$ ]] || refuse "DEVICES must list GPU numbers, like DEVICES=\"0 1\", got \"$DEVICES\""
+done
 within METHODS "$METHODS" "$ALL_METHODS"
 within VARIANTS "$VARIANTS" "base recl inversion"
 within SCENARIOS "$SCENARIOS" "cil dil"
@@ -135,11 +152,14 @@ every_run() {  # one shell command per run, finished or not
 # experiments.py pending keeps the runs without a result for their config, skips the
 # datasets that cannot be loaded (saying why), and takes the +ReCL flags out of the
 # lines of the methods alone, which would refuse them.
-todo=$(every_run | "$PYTHON" experiments.py pending)
+# Every line is checked first: a flag or SWEEP value a run would refuse stops them all, in one line.
+[ -e "$RESULTS" ] && [ ! -d "$RESULTS" ] && refuse "RESULTS=$RESULTS is a file; it must name a folder"
+todo=$(every_run | "$PYTHON" experiments.py pending) || exit 2
 count=$(printf '%s' "$todo" | grep -c . || true)
-echo "run_all: $count runs to do in $RESULTS/ with $JOBS job(s)"
-if [ "${DRY_RUN:-0}" = 1 ]; then
-  printf '%s\n' "$todo"
+runs=$([ "$count" = 1 ] && echo run || echo runs)
+echo "run_all: $count $runs to do in $RESULTS/ with $JOBS job(s)" >&2
+if [ "${DRY_RUN:-0}" = 1 ]; then  # one runnable command per line, for xargs -P, GNU parallel or a job array
+  [ "$count" -gt 0 ] && printf '%s\n' "$todo"
   exit 0
 fi
 start=$(date +%s)
@@ -155,7 +175,11 @@ if [ "$count" -gt 0 ]; then
   trap 'kill "${workers[@]}" 2>/dev/null; wait; echo "run_all: interrupted; finished runs are saved, rerun to do the rest" >&2; exit 130' INT TERM
   printf '%s\n' "$todo" > "$queue/commands"
   for ((job = 0; job < JOBS; job++)); do
-    "$PYTHON" experiments.py queue "$queue" &
+    if [ ${#DEVICE_LIST[@]} -gt 0 ]; then  # spread the workers over the GPUs
+      CUDA_VISIBLE_DEVICES=${DEVICE_LIST[$((job % ${#DEVICE_LIST[@]}))]} "$PYTHON" experiments.py queue "$queue" &
+    else
+      "$PYTHON" experiments.py queue "$queue" &
+    fi
     workers+=($!)
   done
   for worker in "${workers[@]}"; do wait "$worker" || failed=1; done

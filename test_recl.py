@@ -32,9 +32,10 @@ import judging
 import models
 import recl
 import strategies
-from conftest import (HERE, ONE_THREAD, QUIET, displaced, fake_record, in_background, initial_candidates,
-                      knowing_python, loss_terms, nearest_cosine, resolved, run_all_dry, run_config,
-                      small_batch_norm_net, step1, synthetic_tasks, train, with_loss, write_idx)
+from conftest import (HERE, ONE_THREAD, OWN, QUIET, displaced, fake_record, in_background, initial_candidates,
+                      knowing_python, loss_terms, nearest_cosine, resolved, run_all_dry, run_all_own_data_and_bad_flags,
+                      run_all_then_the_same_list_through_xargs, run_config, small_batch_norm_net, step1,
+                      synthetic_tasks, train, with_loss, write_idx)
 
 # ==== 1. The math, each test a small proof: Eq. 3-6, margins, smooth ReLU, targets, labels, ACC, BWT ========
 
@@ -815,8 +816,7 @@ def test_grown_heads_split_mnist_and_each_dataset_read_from_its_own_files_or_exp
     assert tasks[0].x_train.shape == (6, 3, 64, 64) and tasks[0].x_test.shape == (3, 3, 64, 64)
     # a user's .pt file is a dataset
     path = tmp_path / "my.data.pt"  # a dot in the name must not cost the images their distinct names
-    torch.save({"x_train": torch.rand(60, 12), "y_train": torch.arange(60) % 6,
-                "x_test": torch.rand(18, 12), "y_test": torch.arange(18) % 6}, path)
+    torch.save(OWN, path)
     tasks, order, _, _ = data.make_tasks(str(path), 0, n_per_class=5, classes_per_task=3)
     assert len(tasks) == 2 and tasks[0].x_train.shape == (15, 1, 1, 12)
     out = tmp_path / "out"
@@ -964,7 +964,12 @@ HP = lambda method, hp: ["--method", method, "--hp", hp]
     # an --out that cannot take files, and data the run cannot use: once a traceback (or ZeroDivisionError)
     (["--out", "FILE"], "is a file"), (["--out", "FILE/under"], "cannot write results there"),
     (["--dataset", "FLAT.pt", "--model", "cnn", "--n-per-class", "5"], "--model cnn: the cnn needs images"),
-    (["--dataset", "NO_TEST.pt", "--n-per-class", "5", "--seeds", "3"], "class 3 of task 2 has no test images"),])
+    (["--dataset", "NO_TEST.pt", "--n-per-class", "5", "--seeds", "3"], "class 3 of task 2 has no test images"),
+    # extreme values, refused before torch sees them (issue 43): each once a traceback, a hang or a huge allocation
+    (["--seed", "99999999999999999999"], "--seed plus --seeds at most"), (["--lr", "1e300"], "is above 10"),
+    (["--seeds", "1000000000"], "more runs than a table needs"), (["--out", " "], "--out is empty"),
+    (["--variant", "recl", "--m", "1000000000"], r"--m 1000000000 candidates per class: .* GiB, more than the"),
+    (["--variant", "recl", "--replay-batch", "100000000"], r"--replay-batch 100000000: .* GiB, more than the"),])
 def test_bad_cli_values_are_rejected_with_a_reason_before_anything_trains(argv, words, monkeypatch, tmp_path):
     monkeypatch.setattr(recl, "run_continual", lambda *a, **k: pytest.fail("it trained"))
     (tmp_path / "FILE").write_text("")
@@ -1009,7 +1014,9 @@ def test_each_run_resolves_the_rows_in_order_to_one_config_that_its_header_names
                   "| m 20, n_rec 30, sigma_x 0.001, lr_x 0.01, lr_lambda 0.01, lambda_min 0.05, alpha 100, "
                   "rec_target displacement, freeze_old True, filter True, replay_noise 2.5, ce_weight 0.03, "
                   "rec_optimizer adam, replay_batch 64, backtrack False, budget recl, rec_precision ",
-                  f", tuning naive | config {config.digest(cfg)}"]:
+                  ", tuning naive | set by ", "network: cnn and alexnet: rec_optimizer, m, n_rec, replay_batch, ce_scope, ce_weight; "
+                  "method: ewc: lr, epochs, ewc_lambda; steps: adam: lr_x, lr_lambda; the rest Config's", 
+                  f"the rest Config's | config {config.digest(cfg)}"]:
         assert shown in header, shown
     # every +ReCL field that applies, in config.RECL_FIELDS' order, and none that does not (trials)
     places = [header.index(f" {k} ") for k in config.RECL_FIELDS if getattr(cfg, k) is not None]
@@ -1033,8 +1040,8 @@ def test_each_run_resolves_the_rows_in_order_to_one_config_that_its_header_names
     # a flag at the value the rows give is the same run, in the same file
     for flags in (["--ce-scope", "all"], ["--rec-optimizer", "sgd"], ["--replay-batch", "0"], ["--no-backtrack"]):
         assert same(*flags), flags
-    # docs/runs/defaults-3bb579d.json: every field of 1088 command lines' configs at the old commit
-    # (/work/notes/dump_defaults.py), or their refusal; today's parser, check and resolve give the same
+    # docs/runs/defaults-3bb579d.json: every field of 1088 command lines' configs at the old commit, or their
+    # refusal (docs/same-numbers.md); today's parser, check and resolve give the same
     recorded, differ = json.loads((HERE / "docs/runs/defaults-3bb579d.json").read_text()), []
     for line, old in recorded.items():
         argv = line.split()
@@ -1056,12 +1063,6 @@ def test_each_run_resolves_the_rows_in_order_to_one_config_that_its_header_names
         own = set(strategies.defaults(when.get("method")))
         assert set(when) <= set(config.FIELDS) and set(changes) <= set(config.FIELDS) | own, name
         assert not own & set(when), name
-    # replay noise is the default, but GPM replays without (with its +ReCL rows' lr), and the flag wins
-    assert resolved().replay_noise == config.Config().replay_noise > 0
-    for scenario in ("cil", "dil"):
-        gpm = resolved("--method", "gpm", "--scenario", scenario)
-        assert gpm.replay_noise == 0.0 and gpm.lr == 0.1
-        assert resolved("--method", "gpm", "--scenario", scenario, "--replay-noise", "1.5").replay_noise == 1.5
     # a method's row beats a network's: GPM replays without noise, also where the CNN's DIL row says 1
     assert resolved("--model", "cnn", "--scenario", "dil").replay_noise == ROW["network: cnn and alexnet in dil"]["replay_noise"] > 0
     assert resolved("--model", "cnn", "--scenario", "dil", "--method", "gpm").replay_noise == 0.0
@@ -1093,6 +1094,7 @@ def test_each_run_resolves_the_rows_in_order_to_one_config_that_its_header_names
                      "--epochs", "3")
     assert (mixed.filter, mixed.rec_target, mixed.replay_noise, mixed.epochs, mixed.freeze_old) == \
         (True, "displacement", 1.0, 3, False)
+    assert "the paper as written, except rec_target, filter, replay_noise: " in config.describe(mixed)
     assert (today.ce_weight, paper.ce_weight, resolved("--scenario", "dil").ce_weight) == (3e-4, 0.0, 0.0)
     assert resolved("--rec-objective", "inversion", variant="inversion").lr_x == ROW["steps: inversion"]["lr_x"]
     assert resolved("--scenario", "dil", variant="inversion").lr_x == ROW["steps: inversion dil"]["lr_x"]
@@ -1157,7 +1159,7 @@ def test_main_writes_one_json_per_run_named_by_its_config_never_shared_between_s
 
 @in_background(lambda folder: lambda: [subprocess.run([sys.executable, str(HERE / "recl.py"), *flags], capture_output=True,
                                                       text=True, cwd=HERE, env=ONE_THREAD) for flags in (
-    ["--method", "magic"], ["--variant", "base", "--lr", "10000", "--epochs", "2", "--n-per-class", "5",
+    ["--method", "magic"], ["--variant", "base", "--lr", "10", "--epochs", "3", "--n-per-class", "5",
                             "--out", str(folder), "--quiet"])])
 def test_bad_cli_input_and_a_diverged_run_exit_nonzero_in_one_line_and_are_never_averaged(started):
     (bad, result), tmp_path = started
@@ -1170,8 +1172,8 @@ def test_bad_cli_input_and_a_diverged_run_exit_nonzero_in_one_line_and_are_never
     cli.write_json_atomically(tmp_path / "other-seed1.json", {**record, "seed": 1, "ACC": 60.0, "BWT": -30.0,
                                                                  "diverged": None, "acc_matrix": [[60.0]]})
     table = experiments.aggregate(tmp_path, QUIET)
-    assert "| finetune | 1 | 60.00 (0.00) |" in table  # the diverged seed is not in the mean
-    assert "Diverged, not averaged: finetune seed 0 (training loss" in table
+    assert "| finetune | 1 | 60.00 |" in table  # the diverged seed is not in the mean; one seed has no std
+    assert f"Diverged, not averaged: finetune [{record['digest']}] seed 0 (training loss" in table
 
 def test_run_all_gives_each_run_only_the_flags_it_uses():
     assert cli.without_flags(["--no-backtrack", "--seeds", "3", "--backtrack"], cli.RECL_FLAGS) == ["--seeds", "3"]
@@ -1247,9 +1249,9 @@ def test_aggregate_averages_each_config_skips_what_is_not_a_run_and_draws_charts
     skipped = []
     table = experiments.aggregate(tmp_path, skipped.append)
     assert "| ewc | 3 | 60.00 (10.00) | -30.00 (10.00) |  |  | 10.0 |  |" in table
-    assert "| ewc+recl | 1 | 80.00 (0.00) | -5.00 (0.00) |  | 0.0 (0.0) | 10.0 |  |" in table
+    assert "| ewc+recl | 1 | 80.00 | -5.00 |  | 0.0 | 10.0 |  |" in table
     cil, dil = table.split("### mnist, DIL")
-    assert "finetune" not in cil and "| finetune | 1 | 40.00 (0.00)" in dil
+    assert "finetune" not in cil and "| finetune | 1 | 40.00 |" in dil
     assert sorted(line.split(":")[0] for line in skipped if line.startswith("skipping")) == sorted(
         f"skipping {tmp_path / name}" for name in not_runs)
 
@@ -1345,7 +1347,8 @@ def test_run_all_knobs_quick_runs_and_interrupts_and_queue_workers_claim_each_ru
     def folder(*args, **knobs):
         result, _ = run_all_dry(tmp_path, *args, python=fake_python, METHODS="finetune", SEEDS="1", **knobs)
         assert result.returncode == 0, result.stderr
-        return result.stdout.split(" runs to do in ")[1].split(" ")[0]
+        assert result.stdout == ""  # DRY_RUN's stdout holds run lines only: the count goes to stderr
+        return result.stderr.split(" runs to do in ")[1].split(" ")[0]
     assert folder() == "results/" and folder(QUICK="1") == "results/quick/"
     assert folder("--epochs", "30", RESULTS=str(tmp_path)) == f"{tmp_path}/"  # an explicit folder wins
     # queue workers claim each run once, and a run gives what it gives alone
@@ -1423,12 +1426,45 @@ def run_all_dry_runs(folder):
             "PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "SCENARIOS": "cil", "METHODS": "finetune ewc",
             "VARIANTS": "base", "SEEDS": "1", "RESULTS": str(folder / "real"), "OMP_NUM_THREADS": "1"}), None))
 
+@in_background(run_all_own_data_and_bad_flags)
+def test_your_pt_counts_by_its_contents_and_run_all_checks_every_flag_before_any_run(started, monkeypatch):
+    (own, local, *refused), folder = started
+    monkeypatch.chdir(folder)
+    def name(path):
+        args = cli.make_parser().parse_args(["--dataset", path, "--classes-per-task", "3", "--n-per-class", "5"])
+        cli.check(args, probe_out=False)
+        return config.result_path("out", config.resolve(args, 0, "base")).name
+    assert name("x.pt") == name("./x.pt") == name(str(folder / "x.pt"))  # one file by any path: one row
+    torch.save({**OWN, "x_train": torch.rand(60, 12)}, folder / "changed.pt")
+    assert name("changed.pt").replace("changed", "x") != name("x.pt")  # other data: another config
+    result, lines = own  # a relative path from where you are; stdout holds the runnable commands only
+    assert result.returncode == 0 and f"--dataset {folder}/x.pt" in lines[0] and "1 run to do" in result.stderr
+    assert result.stdout.splitlines() == lines and all(line == line.rstrip() for line in lines)
+    assert local[0].returncode == 0 and ["--ce-scope" in line for line in local[1]] == [False, True]
+    for (result, lines), words in zip(refused, ("the file missing.pt does not exist", "unrecognized arguments: --bogus",
+                                                "--m must be a positive", "is a file")):  # in one line, nothing run
+        assert result.returncode == 2 and result.stderr.count("\n") == 1 and words in result.stderr and not lines
+
+@in_background(run_all_then_the_same_list_through_xargs)
+def test_a_dry_run_list_through_xargs_gives_run_alls_table_and_slurm_picks_one_line_per_task(started):
+    (whole, listed, xargs), folder = started
+    assert whole.returncode == 0 and xargs.returncode == 0, (whole.stderr, xargs.stderr)
+    lines = listed.stdout.splitlines()
+    assert len(lines) == 4 and all(line.startswith(f"{sys.executable} recl.py") for line in lines)
+    records = lambda out: {p.name: json.loads(p.read_text())["acc_matrix"] for p in (folder / out).glob("*.json")}
+    assert len(records("run_all")) == 4 and records("run_all") == records("xargs")  # same files, same numbers
+    recipe = (HERE / "docs/running.md").read_text().split("--wrap '")[1].split("'")[0].replace("| bash", "")
+    for task in (1, 4):  # the line docs/running.md's job array runs as task 1 and task 4
+        picked = subprocess.run(recipe, shell=True, capture_output=True, text=True, cwd=folder,
+                                env={"PATH": os.environ["PATH"], "SLURM_ARRAY_TASK_ID": str(task)})
+        assert picked.stdout.splitlines() == [lines[task - 1]]
+
 @in_background(run_all_dry_runs)
 def test_run_all_plans_only_what_is_left_to_run_as_asked_and_a_failing_run_stops_no_other(started, monkeypatch):
     plans, tmp_path = started
-    failing, _ = plans.pop("failing")  # a real run: --hp ewc_lambda=5 fails for finetune (no such hyperparameter)
-    assert failing.returncode == 1 and "FAILED" in failing.stderr and "finetune has no hyperparameters" in failing.stderr
-    assert "| ewc | 1 |" in (tmp_path / "real" / "table.md").read_text()  # it stops no other: the table of what finished
+    failing, _ = plans.pop("failing")  # --hp ewc_lambda=5 is refused by finetune: checked first, nothing runs
+    assert failing.returncode == 2 and failing.stderr.count("\n") == 1 and "finetune has no hyperparameters" in \
+        failing.stderr and "nothing was run" in failing.stderr and not (tmp_path / "real").exists()
     assert all(result.returncode == 0 for result, _ in plans.values()), {k: r.stderr for k, (r, _) in plans.items()}
     # it skips finished runs, and runs a changed config again
     line = f"python recl.py {' '.join(finished_run_flags(tmp_path))} --variant base"
@@ -1444,7 +1480,7 @@ def test_run_all_plans_only_what_is_left_to_run_as_asked_and_a_failing_run_stops
     assert "skipping cifar10: CIFAR10 is not under" in result.stderr
     # the README's table (docs/runs/table-bf16), migrated to config digests, is what run_all.sh would make today at
     # --rec-precision bfloat16 (the CPU that made it chose it)
-    assert plans["shipped"][1] == [] and "0 runs to do" in plans["shipped"][0].stdout
+    assert plans["shipped"][1] == [] and "0 runs to do" in plans["shipped"][0].stderr
     # QUICK's presets yield to explicit knobs, flags and sweeps
     last = lambda line, flag: cli.make_parser().parse_args(line.split("recl.py")[1].split()).__dict__[flag]
     runs = plans["quick"][1]
@@ -1464,5 +1500,5 @@ def test_run_all_plans_only_what_is_left_to_run_as_asked_and_a_failing_run_stops
     # TUNE=1: one search per method
     (result, runs) = plans["tune"]
     assert len(runs) == 2 and all("experiments.py tune" in r and "--seed 0" in r for r in runs)
-    assert "2 runs to do in results/tuning/" in result.stdout and "skipping cifar10" in result.stderr
+    assert "2 runs to do in results/tuning/" in result.stderr and "skipping cifar10" in result.stderr
 
