@@ -146,7 +146,7 @@ def make_parser(prog="recl.py", description=DESCRIPTION):
     flag("backtrack", "a reconstruction step that raises the loss is undone and the step sizes halved",
          action=argparse.BooleanOptionalAction)
     flag("ce-weight", "weight of inversion's cross-entropy added to Eq. 6", type=float)
-    flag("rec-optimizer", "the optimiser of the candidates and lambdas: SGD with momentum, as the paper, or Adam, "
+    flag("rec-optimizer", "the optimiser of the candidates and lambdas: SGD, as the paper (with momentum), or Adam, "
          "as image inversion on conv nets", choices=["sgd", "adam"])
     g.add_argument("--paper", action="store_true", default=None,
                    help="the paper as written: every departure off (config.ROWS' paper row), the method's own "
@@ -173,7 +173,8 @@ def check(args, probe_out=True):
     """Refuse, in one line, what makes no sense or would do nothing, before any work starts.
     Fills args.hp as a dict of typed values. `probe_out`: also check that --out takes files."""
     positive = {"batch-size": args.batch_size, "seeds": args.seeds, "epochs": args.epochs, "lr": args.lr,
-                "n-per-class": None if args.n_per_class == "all" else args.n_per_class, "classes-per-task": args.classes_per_task, "m": args.m,
+                "n-per-class": None if args.n_per_class == "all" else args.n_per_class,
+                "classes-per-task": args.classes_per_task, "m": args.m,
                 "n-rec": args.n_rec, "sigma-x": args.sigma_x, "lr-x": args.lr_x, "lr-lambda": args.lr_lambda,
                 "lambda-min": args.lambda_min, "alpha": args.alpha, "trials": args.trials}
     for flag, value in positive.items():
@@ -222,7 +223,8 @@ def check(args, probe_out=True):
     if args.data_root is not None and (args.dataset == "mnist" or args.dataset.endswith(".pt")):
         raise UsageError(f"--data-root: {args.dataset} is not read from a data folder; leave it out")
     most = data.MNIST_SUBSET_PER_CLASS - 1  # keep at least one test image
-    if args.dataset == "mnist" and args.n_per_class is not None and (args.n_per_class == "all" or args.n_per_class > most):
+    too_many = args.n_per_class == "all" or (args.n_per_class or 0) > most
+    if args.dataset == "mnist" and too_many:
         raise UsageError(f"--n-per-class {args.n_per_class} is more than mnist allows "
                          f"({most}; it holds {most + 1} images per class and needs some to test on)")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -276,7 +278,9 @@ def check_tasks(tasks, cfg):
             own = label if cfg.scenario == "dil" else label + t * len(task.classes)
             for name, y in (("training", task.y_train), (split, task.y_test)):
                 if not (y == own).any():
-                    raise UsageError(f"{cfg.dataset}: class {c} of task {t + 1} has no {name} images")
+                    raise UsageError(f"{cfg.dataset}: class {c} of task {t + 1} has no {name} images" + (
+                        " left: --validation holds out a fifth of them; give a larger --n-per-class"
+                        if cfg.validation else ""))
 
 
 # =============================================================================
@@ -360,7 +364,8 @@ def main(argv=None):
         name, path = config.variant_name(cfg.method, cfg.variant), config.result_path(args.out, cfg)
         log(f"{config.describe(cfg)} | class order {class_order}")
         image_path = path if args.save_images else None  # the images are named like the JSON
-        judge = lambda old, x_rec: judging.report_reconstruction(name, old, x_rec, cfg, mean_image, image_path, log)
+        judge = lambda old, x_rec, y_rec: judging.report_reconstruction(name, old, x_rec, cfg, mean_image, image_path,
+                                                                        log, y_rec)
         record = recl.run_continual(cfg, tasks, log, judge, mean_image)
         record.update(dataset=config.dataset_name(cfg.dataset), class_order=class_order, classes_left_out=left_out,
                       config=dataclasses.asdict(cfg), digest=config.digest(cfg), provenance=provenance(),

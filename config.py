@@ -1,15 +1,11 @@
 """What one run is: every default written once, the rows that change them, and `resolve`.
 
-A run is one `Config`. Its defaults are the fields' own, below: the MLP's +ReCL
-run on SplitMNIST in CIL. Rows change them for a network, a method (its rows sit
-with it in strategies.py), `--paper` and the inversion control; the flags given
-win over every row. `resolve` does that once, before anything trains, and cli.py
-refuses bad input. A config's digest names its result file, so runs that differ
-in any setting never share a file or a table row.
-
-Adding a method: one entry in strategies.STRATEGIES (hooks, hyperparameters,
-tuned rows, search grid). Adding a departure: one function and one entry in
-recl.DEPARTURES, its switch a field here, and one section in docs/departures.md.
+A run is one `Config`; its fields' defaults are the MLP's +ReCL run on SplitMNIST in
+CIL. Rows change them for a network, a method (its rows sit with it in strategies.py),
+`--paper` and the inversion control; the flags given win over every row. `resolve` does
+that once, before anything trains. A config's digest names its result file, so runs that
+differ in any setting never share a file or a table row. (Adding a method or a
+departure: README.md.)
 """
 import dataclasses
 import functools
@@ -107,9 +103,9 @@ ROWS = [
     ("network: resnet18", {**strategies.RECL, "model": "resnet18"},
      {"rec_optimizer": "adam", "m": 10, "n_rec": 15, "replay_batch": 32, "replay_noise": 1.0, "backtrack": True}),
     # The paper as written: every departure off, the method's own training budget.
-    ("paper", {"paper": True, "variant": RECL}, {"rec_target": "weights", "freeze_old": False, "filter": False, "replay_noise": 0.0,
-                                "ce_weight": 0.0, "rec_optimizer": "sgd", "replay_batch": 0, "ce_scope": "all",
-                                "backtrack": False, "budget": "alone"}),
+    ("paper", {"paper": True, "variant": RECL},
+     {"rec_target": "weights", "freeze_old": False, "filter": False, "replay_noise": 0.0, "ce_weight": 0.0,
+      "rec_optimizer": "sgd", "replay_batch": 0, "ce_scope": "all", "backtrack": False, "budget": "alone"}),
     "methods",  # "method: NAME", each method's rows from strategies.py, in their order
     # The candidates' step size goes with what they minimise and how: inversion's summed CE,
     # Eq. 3 on the weights, Adam (each pixel moves about lr_x a step); docs/departures.md, 1 and 6.
@@ -174,10 +170,8 @@ def variants(args):
     return {None: ["base", recl], "both": ["base", recl], "base": ["base"], "recl": [recl]}[args.variant]
 
 
-# The number format of the reconstruction's products (`--rec-precision`): under torch.autocast
-# the products of Eq. 3's double backward take bfloat16 inputs, summed in float32. `auto` uses it
-# only where the CPU has bfloat16 instructions (docs/cost.md); elsewhere it would be emulated,
-# and on a GPU it is unmeasured. Training is always float32.
+# `--rec-precision auto`: bfloat16 products in Eq. 3's double backward only where the CPU has
+# bfloat16 instructions (docs/cost.md); elsewhere emulated, on a GPU unmeasured.
 def reconstruction_precision(choice, device):
     if choice != "auto":
         return choice

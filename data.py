@@ -131,14 +131,21 @@ def find_file(folder, stem):
     return None
 
 
-def fetch(name, root, download):
-    """Run a torchvision download, or explain in one line how to get the files by hand."""
+def fetch(name, root, download, explain=None):
+    """Run a torchvision download, or explain in one line how to get the files by hand; a
+    download that fails leaves no empty folders behind."""
+    root = Path(root)
+    before = set(root.rglob("*")) if root.exists() else None
     try:
         download()
     except Exception as err:  # offline machines fail in many ways (DNS, refused, timeout)
-        raise DataError(f"{name} is not under {root} and could not be downloaded ({type(err).__name__}); "
-                        f"on a machine with internet run this project once with --data-root {root}, "
-                        f"then copy the folder here") from None
+        made = [p for p in (root.rglob("*") if root.exists() else []) if before is None or p not in before]
+        for folder in sorted((p for p in made if p.is_dir()), key=lambda p: -len(p.parts)) + ([root] * (before is None)):
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+        raise DataError((explain or f"{name} is not under {root} and could not be downloaded ({{}}); on a machine with "
+                         f"internet run this project once with --data-root {root}, then copy the folder here")
+                        .format(type(err).__name__)) from None
 
 
 IDX_STEMS = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
@@ -170,14 +177,11 @@ def load_fashion_mnist(root):
     for folder in (Path(root) / "FashionMNIST" / "raw", DEBIAN_FASHION_MNIST):
         if all(find_file(folder, s) for s in IDX_STEMS):
             return read_idx_dataset(folder)
-    try:
-        import torchvision
-        torchvision.datasets.FashionMNIST(root, download=True)
-    except Exception as err:  # offline machines fail in many ways
-        raise DataError(f"fashion-mnist is not under {root}/FashionMNIST/raw or {DEBIAN_FASHION_MNIST} and could "
-                        f"not be downloaded ({type(err).__name__}); install it offline with "
-                        f"`apt-get install dataset-fashion-mnist`, or run this project once with --data-root "
-                        f"{root} on a machine with internet") from None
+    import torchvision
+    fetch("fashion-mnist", root, lambda: torchvision.datasets.FashionMNIST(root, download=True),
+          f"fashion-mnist is not under {root}/FashionMNIST/raw or {DEBIAN_FASHION_MNIST} and could not be "
+          f"downloaded ({{}}); install it offline with `apt-get install dataset-fashion-mnist`, or run this "
+          f"project once with --data-root {root} on a machine with internet")
     return read_idx_dataset(Path(root) / "FashionMNIST" / "raw")
 
 
@@ -294,6 +298,8 @@ def load_tensor_file(path):
             raise DataError(f"{path}: y_{split} must hold integer labels, got {y.dtype}")
         if len(y) and y.min() < 0:
             raise DataError(f"{path}: y_{split} has negative labels")
+        if split == "train" and not torch.equal(y.unique(), torch.arange(len(y.unique()))):
+            raise DataError(f"{path}: y_train must use the labels 0..K-1, each at least once; got {y.unique().tolist()}")
         if x.dtype != torch.uint8 and not (x.dtype.is_floating_point and len(x) and 0 <= x.min() and x.max() <= 1):
             raise DataError(f"{path}: x_{split} must be uint8 (0-255) or float in [0, 1]")
         if not torch.isfinite(x.float()).all():

@@ -75,7 +75,7 @@ def pending_runs(lines, say=lambda message: print(message, file=sys.stderr)):
     of datasets that cannot be loaded. run_all.sh passes its extra flags to every run: a
     line loses those its run does not use and would refuse (the +ReCL flags for the
     method alone, Eq. 3-6's for the inversion control, --ce-scope for DIL and joint)."""
-    todo, loadable = [], {}
+    todo, loadable, alone_seen = [], {}, set()
     for line in lines:
         command = command_args(line)
         if command is None:
@@ -94,6 +94,11 @@ def pending_runs(lines, say=lambda message: print(message, file=sys.stderr)):
             kept = cli.without_flags(argv, unused)
             words = shlex.split(line)
             line, argv = shlex.join(words[:len(words) - len(argv)] + kept), kept
+        if alone:  # a sweep of a +ReCL setting: the method alone is one run, made in the first folder
+            key = tuple(word for i, word in enumerate(argv) if word != "--out" and argv[i - 1:i] != ["--out"])
+            if key in alone_seen:
+                continue
+            alone_seen.add(key)
         try:  # every line checked before any runs: a bad flag stops them all, in one line
             args = (tune_parser() if kind == "tune" else cli.make_parser()).parse_args(argv)
             cli.check(args, probe_out=False)
@@ -295,7 +300,8 @@ def chart_svg(records, dataset):
     y = lambda acc: top + plot_h * (1 - acc / 100)
     legend = "".join(f'<rect x="{10 + 90 * i}" y="28" width="10" height="10" fill="{colour}"/>'
                      f'<text x="{24 + 90 * i}" y="37">{label}</text>' for i, (_, colour, label) in enumerate(CHART_VARIANTS))
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{panel_w * len(scenarios) + 20}" height="{top + plot_h + 30}"'
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{max(panel_w * len(scenarios) + 20, 560)}" '  # the legend
+             f'height="{top + plot_h + 30}"'
              ' font-family="sans-serif" font-size="11">',
              f'<text x="10" y="18" font-size="14">{escape(dataset)}: mean ACC over seeds</text>', legend,
              '<line x1="280" y1="33" x2="294" y2="33" stroke="black" stroke-width="3"/>'
@@ -612,16 +618,17 @@ def reconstruction_step(name, input_shape, m, device, repeats, precision="float3
             "gflop": flops / 1e9, "gflops": flops / seconds / 1e9}
 
 
-def end_to_end(device, model="mlp", dataset="mnist", scenario="cil"):
+def end_to_end(device, model="mlp", dataset="mnist", scenario="cil", data_root=None):
     """Finetune and Finetune+ReCL, seed 0, one after the other, as the command line runs them."""
     args = cli.make_parser().parse_args(["--device", device.type, "--model", model, "--dataset", dataset,
-                                            "--scenario", scenario])
+                                         "--scenario", scenario] + (["--data-root", data_root] if data_root else []))
     cli.check(args, probe_out=False)
     runs = {}
     for variant in ("base", "recl"):
         run = config.resolve(args, 0, variant)
         tasks, _, mean_image, _ = cli.make_tasks(run)
-        judge = lambda old, x_rec: judging.report_reconstruction("", old, x_rec, run, mean_image, log=lambda *a: None)
+        judge = lambda old, x_rec, y_rec: judging.report_reconstruction("", old, x_rec, run, mean_image,
+                                                                        log=lambda *a: None)
         record = recl.run_continual(run, tasks, lambda *a: None, judge, mean_image)
         runs[variant_name("finetune", variant)] = {
             "seconds": record["seconds"], "ACC": record["ACC"], "phase_seconds": record["phase_seconds"]}
@@ -640,11 +647,21 @@ def benchmark(argv):
                    help="also time the MLP step under torch.compile (compiling takes seconds to a minute)")
     p.add_argument("--out", default=None, help="JSON file (default: results/benchmark-DEVICE.json, with the runs' "
                    "model, dataset and scenario in the name when they are not mlp, mnist, cil)")
-    p.add_argument("--model", choices=models.MODELS, default="mlp", help="the network of the end-to-end runs")
-    p.add_argument("--dataset", default="mnist", help="the dataset of the end-to-end runs (default: mnist)")
-    p.add_argument("--scenario", choices=["cil", "dil"], default="cil", help="their scenario (default: cil)")
+    p.add_argument("--model", choices=models.MODELS, help="the network of the end-to-end runs (default: mlp)")
+    p.add_argument("--dataset", help="the dataset of the end-to-end runs (default: mnist)")
+    p.add_argument("--data-root", help="where that dataset lives (default: data)")
+    p.add_argument("--scenario", choices=["cil", "dil"], help="their scenario (default: cil)")
     p.add_argument("--no-steps", action="store_true", help="skip the per-step timings")
     args = p.parse_args(argv)
+    runs_flags = [f"--{k.replace('_', '-')}" for k in ("model", "dataset", "data_root", "scenario") if getattr(args, k)]
+    if args.no_runs and runs_flags:
+        raise UsageError(f"{', '.join(runs_flags)} set(s) the end-to-end runs, which --no-runs skips")
+    args.model, args.dataset, args.scenario = args.model or "mlp", args.dataset or "mnist", args.scenario or "cil"
+    if not args.no_runs:  # a dataset that cannot load says so before any step is timed
+        try:
+            data.load(args.dataset, args.data_root or "data")
+        except data.DataError as err:
+            raise UsageError(str(err)) from None
     if args.dataset not in data.DATASETS:
         raise UsageError(f"--dataset must be one of {', '.join(data.DATASETS)}, got {args.dataset!r}")
     if args.no_runs and args.no_steps:
@@ -689,8 +706,7 @@ def benchmark(argv):
             print(f"| mlp | {m} | {row['seconds']:.4f} | {eager:.4f} | {row['first_call_seconds']:.1f} |", flush=True)
     result = {"machine": machine, "matmul": peak, "matmul_bfloat16": peak_bf16, "steps": steps}
     if not args.no_runs:
-        data.load(args.dataset, "data")  # a dataset that cannot load says so before anything runs
-        runs = end_to_end(device, args.model, args.dataset, args.scenario)
+        runs = end_to_end(device, args.model, args.dataset, args.scenario, args.data_root)
         result["runs"] = {**runs, "model": args.model, "dataset": args.dataset, "scenario": args.scenario}
         print(f"\n| {args.dataset} {args.scenario.upper()}, {args.model}, seed 0 | seconds | ACC | of which reconstruction |"
               "\n|---|---|---|---|")

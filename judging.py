@@ -100,10 +100,11 @@ def judge_reconstruction(old_tasks, x_rec, cfg, mean_image):
     return quality, real, nearest, mean_image
 
 
-def report_reconstruction(name, old_tasks, x_rec, cfg, mean_image, image_path=None, log=print):
+def report_reconstruction(name, old_tasks, x_rec, cfg, mean_image, image_path=None, log=print, labels=None):
     """Log how close the reconstructions made before task len(old_tasks) + 1 are, and, given
     the run's JSON path RUN.json as `image_path`, save their image grid as RUN-taskT.png
-    and the candidates as RUN-taskT.pt; returns the figures for the run's JSON."""
+    and RUN-taskT.pt: the candidates as the network takes them ("x"), as pixels in [0, 1]
+    ("pixels", the training mean image added back) and their labels; returns the figures."""
     task = len(old_tasks) + 1
     quality, real, nearest, mean_image = judge_reconstruction(old_tasks, x_rec, cfg, mean_image)
     log(f"  [{name}] task {task}: SSIM to nearest real image {quality['mean_ssim']:.3f} "
@@ -113,7 +114,9 @@ def report_reconstruction(name, old_tasks, x_rec, cfg, mean_image, image_path=No
         path = Path(image_path).with_name(f"{Path(image_path).stem}-task{task}.png")  # RUN.json -> RUN-taskT.png
         path.parent.mkdir(parents=True, exist_ok=True)
         save_pairs(path, real, x_rec, nearest, mean_image)
-        torch.save(x_rec.cpu(), path.with_suffix(".pt"))  # the candidates themselves, for other figures
+        torch.save({"x": x_rec.cpu(), "pixels": (x_rec + mean_image).clamp(0, 1).cpu(),
+                    "labels": None if labels is None else labels.cpu()}, path.with_suffix(".pt"))
+        log(f"  [{name}] task {task}: images in {path} and {path.with_suffix('.pt')}")
     return {"task": task, **quality}
 
 

@@ -114,6 +114,7 @@ def shuffled_batches(x, y, own, cfg):
 
 
 def cross_entropy_over_all(model, xb, yb, own_rows, n_old_classes, cfg, replaying):
+    """The batch's logits, and its cross-entropy over every class (the other arguments are for departure 8)."""
     logits = model(xb)
     return logits, F.cross_entropy(logits, yb)
 
@@ -126,7 +127,7 @@ class Extensions:
     target: Callable = lambda params, model: (params, 1.0)           # what Eq. 3 fits: theta, at scale 1
     loss: Callable = stationarity_loss                               # L_full (the inversion control swaps it)
     extra_terms: Callable = lambda net, params, labels, cfg: lambda x: {}  # terms added to Eq. 6: none
-    optimizer: Callable = lambda v, lr: torch.optim.SGD([v], lr=lr, momentum=0.9)  # for x and lambda (App. B.3)
+    optimizer: Callable = lambda v, lr: torch.optim.SGD([v], lr=lr, momentum=0.9)  # SGD (momentum: reference code)
     keep_step: Callable = lambda losses, best, tensors, optimizers, memo: True    # every step is kept
     # Step 2
     select: Callable = lambda model, x, y: torch.ones(len(x), dtype=torch.bool, device=x.device)  # replay all
@@ -159,7 +160,7 @@ def reconstruct(model, labels, input_shape, cfg, log=print, ext=Extensions(), la
             continue
         if not math.isfinite(losses[-1]):
             break
-        if best is None or losses[-1] < best[0]:  # a step can overshoot: keep the best candidates seen
+        if best is None or losses[-1] < best[0]:  # a step can overshoot: keep the best seen (the paper: the last)
             best = (losses[-1], x.detach().clone(), lam.detach().clone(), detached(terms))
         if step < cfg.n_rec:
             descend(loss, optimizers)
@@ -242,7 +243,7 @@ def train_task(model, x, y, hooks, state, cfg, n_replayed=0, n_old_classes=0, ex
 
 def run_continual(cfg, tasks, log=print, judge=None, mean_image=None):
     """Train one model through all tasks, with ReCL unless cfg.variant is "base"; its record.
-    `judge(old_tasks, x_rec)` reports on each reconstruction (judging.py); training never sees it."""
+    `judge(old_tasks, x_rec, y_rec)` reports on each reconstruction (judging.py); training never sees it."""
     if cfg.method == "joint":  # the upper bound has no stream of tasks (part 2)
         return run_jointly(cfg, tasks, log)
     started = time.time()
@@ -266,7 +267,7 @@ def run_continual(cfg, tasks, log=print, judge=None, mean_image=None):
             x_rec, y_rec = x_rec[keep], y_rec[keep]
             reconstructions.append(noted(report, t, len(x_rec), start, name, log))
             if judge and len(x_rec):
-                recon_quality.append(judge(tasks[:t], x_rec))
+                recon_quality.append(judge(tasks[:t], x_rec, y_rec))
             x, y = torch.cat([x, x_rec]), torch.cat([y, y_rec])  # Step 2: the reconstructions last
         if cfg.scenario == "cil":
             models.grow_head(model, per_task * (t + 1))
@@ -317,8 +318,8 @@ def unexplained(report):
 
 
 # Departure 2, freeze old (`--freeze-old`), point `start`.
-# Paper: every class starts from noise before every task. Here: a class reconstructed
-# before keeps its candidates and lambdas, fixed; only the newest classes start from noise.
+# Paper: every candidate starts from noise before every task. Here: the slots of a class
+# reconstructed before keep those candidates and lambdas, fixed; the other slots start from noise.
 # Why: reading a class again from a model trained on its reconstructions compounds errors.
 def start_from_earlier(labels, input_shape, cfg, last=None):
     x, lam, fixed = random_start(labels, input_shape, cfg)

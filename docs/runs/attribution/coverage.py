@@ -33,6 +33,7 @@ for name in ("finetune+recl", "finetune+inversion"):
         real = torch.cat([t.x_train for t in tasks[:4]])
         task_of = torch.arange(4).repeat_interleave(torch.tensor([len(t.x_train) for t in tasks[:4]]))
         found = torch.load(path, weights_only=True)
+        found = found["x"] if isinstance(found, dict) else found  # today's files hold x, pixels and labels
         nearest_real = judging.nearest_candidates(found, real)  # for each candidate, its nearest real image
         shares.append(torch.bincount(task_of[nearest_real], minlength=4).float() / len(found) * 100)
         ssim, _ = judging.reconstruction_quality(real, found, mean_image)

@@ -28,6 +28,7 @@ rows = [judging.as_picture(real[pick], mean_image)]
 for name in ("finetune+recl", "finetune+inversion"):
     (path,) = folder.glob(f"mnist-{scenario}-{name}-*-seed0-task5.pt")  # NAME-DIGEST-seed0-task5.pt
     found = torch.load(path, weights_only=True)
+    found = found["x"] if isinstance(found, dict) else found  # today's files hold x, pixels and labels
     nearest = judging.nearest_candidates(real, found)
     shown = judging.on_reference_scale(found, real)[nearest[pick]]
     ssim = judging.reconstruction_quality(real, found, mean_image)[0].mean().item()
