@@ -121,7 +121,7 @@ def cross_entropy_over_all(model, xb, yb, own_rows, n_old_classes, cfg, replayin
 
 @dataclasses.dataclass(frozen=True)
 class Extensions:
-    """Where part 2 plugs in; each default is what the paper does."""
+    """Where part 2 plugs in; each default is what the paper does, and shows the point's signature."""
     # Step 1
     start: Callable = random_start                                   # where the candidates start
     target: Callable = lambda params, model: (params, 1.0)           # what Eq. 3 fits: theta, at scale 1
@@ -134,6 +134,21 @@ class Extensions:
     batches: Callable = shuffled_batches                             # how a batch is drawn
     replayed: Callable = lambda x, own, cfg: lambda xb, rows: xb     # replayed rows: as they are
     cross_entropy: Callable = cross_entropy_over_all                 # which classes it compares: all
+
+
+def full_loss(model, net, params, labels, x0, lam0, fixed, cfg, ext=Extensions()):
+    """L_full (Eq. 6) of the candidates not held `fixed`, in the run's number format; and L_rec's scale."""
+    target, scale = ext.target(params, model)
+    if fixed.any():  # candidates held fixed add a constant to Eq. 3's sum: take it off the target once
+        share = weighted_gradient_sum(net, params, x0[fixed], labels[fixed], lam0[fixed], len(labels))
+        target = {k: target[k] - share[k] for k in target}
+    eq6 = ext.loss(net, params, labels[~fixed], target, cfg.lambda_min, len(labels), scale)
+    extra = ext.extra_terms(net, params, labels[~fixed], cfg)
+
+    def L_full(x, lam):
+        with torch.autocast(labels.device.type, dtype=torch.bfloat16, enabled=cfg.rec_precision == "bfloat16"):
+            return {**eq6(x, lam), **extra(x)}
+    return L_full, scale
 
 
 def reconstruct(model, labels, input_shape, cfg, log=print, ext=Extensions(), last=None):
@@ -153,6 +168,7 @@ def reconstruct(model, labels, input_shape, cfg, log=print, ext=Extensions(), la
             loss = sum(terms.values())
         losses.append(loss.item())
         first_terms = detached(terms) if step == 0 else first_terms
+        # a step is judged (and may be undone) before it is logged, kept as the best, or taken
         kept = ext.keep_step(losses, best, (x, lam), optimizers, memo)
         if step and step % max(1, cfg.n_rec // 4) == 0 and step < cfg.n_rec:  # progress at each quarter
             log(f"    step {step}/{cfg.n_rec}: loss {losses[-1]:.4g}")
@@ -169,21 +185,6 @@ def reconstruct(model, labels, input_shape, cfg, log=print, ext=Extensions(), la
     x0[~fixed], lam0[~fixed] = best[1], best[2]
     report = reconstruction_report(losses, best, first_terms, memo.get("backtracks", 0))
     return x0, lam0, {"candidates": len(x0), "optimised": int((~fixed).sum()), "rec_scale": float(scale), **report}
-
-
-def full_loss(model, net, params, labels, x0, lam0, fixed, cfg, ext=Extensions()):
-    """L_full (Eq. 6) of the candidates not held `fixed`, in the run's number format; and L_rec's scale."""
-    target, scale = ext.target(params, model)
-    if fixed.any():  # candidates held fixed add a constant to Eq. 3's sum: take it off the target once
-        share = weighted_gradient_sum(net, params, x0[fixed], labels[fixed], lam0[fixed], len(labels))
-        target = {k: target[k] - share[k] for k in target}
-    eq6 = ext.loss(net, params, labels[~fixed], target, cfg.lambda_min, len(labels), scale)
-    extra = ext.extra_terms(net, params, labels[~fixed], cfg)
-
-    def L_full(x, lam):
-        with torch.autocast(labels.device.type, dtype=torch.bfloat16, enabled=cfg.rec_precision == "bfloat16"):
-            return {**eq6(x, lam), **extra(x)}
-    return L_full, scale
 
 
 def reconstruct_old_data(model, old_tasks, cfg, log=print, ext=Extensions(), last=None):
@@ -294,7 +295,7 @@ def run_continual(cfg, tasks, log=print, judge=None, mean_image=None):
 # Each departure is one function on one extension point of part 1, switched on
 # by one config field; `--paper` switches every one off. Each says what the
 # paper does, what we do and why; docs/departures.md has the numbers under the
-# same number, and the levers that lost.
+# same number (the gaps are levers that lost, recorded there).
 
 # Departure 1, displacement target (`--rec-target displacement`), point `target`.
 # Paper: Eq. 3 fits theta. Here: theta - theta_0, what training added, relative to its size.
