@@ -248,8 +248,7 @@ def test_a_reconstruction_ends_at_its_lowest_loss_at_any_number_of_steps(n_rec):
 @pytest.mark.parametrize("losses, failed", [
     ([1.0, 0.5, 0.7], None),                                   # overshot, ended below the start: fine
     ([1.0, 0.5, 2.0], "diverged: the last step's loss 2 is above the start's 1"),  # kept 0.5, still flagged
-    ([1.0, 1.0, 1.0], "no step lowered the loss"),
-    ([1.0, 0.5, math.inf], "diverged at step 2"),])
+    ([1.0, 1.0, 1.0], "no step lowered the loss"), ([1.0, 0.5, math.inf], "diverged at step 2"),])
 def test_a_reconstruction_is_flagged_when_it_diverged_or_never_improved(losses, failed):
     finite = [v for v in losses if math.isfinite(v)]
     best = (min(finite), None, None, {"rec": torch.tensor(min(finite))})
@@ -1333,7 +1332,7 @@ def test_run_all_knobs_quick_runs_and_interrupts_and_queue_workers_claim_each_ru
                          ({"DATASETS": "imagenet"}, "imagenet is not one of"),
                          ({"SCENARIOS": "til"}, "til is not one of"), ({"SWEEP": "m"}, "SWEEP needs a flag"),
                          ({"QUICK": "true"}, "QUICK must be 0 or 1"), ({"DRY_RUN": "yes"}, "DRY_RUN must be 0 or 1"),
-                         ({"TUNE": "1", "SWEEP": "m 10"}, "it takes no SWEEP")):
+                         ({"DEVICES": "0 x"}, "DEVICES must list"), ({"TUNE": "1", "SWEEP": "m 10"}, "no SWEEP")):
         real = "METHODS" in knobs or "DATASETS" in knobs  # the lists come from the code itself
         result, _ = run_all_dry(tmp_path, python=sys.executable if real else knowing_python(tmp_path), **knobs)
         assert result.returncode == 2 and result.stderr.count("\n") == 1 and words in result.stderr, knobs
