@@ -854,7 +854,7 @@ from_pt = lambda path: data.make_tasks(str(path), 0, n_per_class=1)
     ("bad.pt", dict(GOOD_PT, x_train=5 * torch.rand(4, 3)), from_pt, "uint8 .0-255. or float in .0, 1."),
     ("bad.pt", dict(GOOD_PT, x_test=torch.rand(4, 5)), from_pt, "differ in shape"),
     ("bad.pt", dict(GOOD_PT, y_train=torch.zeros(4, dtype=torch.long), y_test=torch.zeros(4, dtype=torch.long)),
-     from_pt, "too few for two tasks"),
+     from_pt, "too few for two tasks"), ("bad.pt", dict(GOOD_PT, y_train=torch.arange(4) + 5), from_pt, "labels 0..K-1"),
     ("cifar", None, lambda path: data.fetch("CIFAR10", path.parent, OFFLINE), "could not be downloaded"),])
 def test_missing_corrupt_and_malformed_dataset_files_and_offline_downloads_get_their_own_message(
         tmp_path, name, content, load, words):
@@ -927,6 +927,8 @@ HP = lambda method, hp: ["--method", method, "--hp", hp]
     (HP("finetune", "x=1"), "finetune has no hyperparameters"), (HP("ewc", "ewc_lambda=big"), "is not KEY=NUMBER"),
     (HP("ewc", "ewc_lambda=inf"), "ewc_lambda must be >= 0, got inf"),
     (["--rec-objective", "gradient"], "invalid choice"), (["--replay-batch", "2.5"], "invalid int value"),
+    (["--variant", "inversion"], "the inversion control is --variant recl --rec-objective inversion"),
+    (["--n-per-class", "1", "--validation"], "no training images left: --validation holds out"),
     (["--ce-weight", "-1"], "--ce-weight must be a finite number >= 0"),
     (["--replay-noise", "-1"], "--replay-noise must be a finite number >= 0"),
     (["--replay-batch", "-1"], "--replay-batch must be a whole number >= 0"),
