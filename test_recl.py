@@ -284,7 +284,7 @@ def test_the_papers_part_reads_only_its_settings_and_freeze_old_and_filter_keep_
           "filter": dict(filter=True), "replay noise": dict(replay_noise=1.0), "inversion term": dict(ce_weight=0.1),
           "adam": dict(rec_optimizer="adam"), "local cross-entropy": dict(ce_scope="local"),
           "replay batch": dict(replay_batch=8), "backtracking": dict(backtrack=True)}
-    assert set(on) == set(recl.DEPARTURES)
+    assert set(on) == set(recl.DEPARTURES) and len({d[1] for d in recl.DEPARTURES.values()}) == len(on)  # a point each
     for name, (_, point, function, _) in recl.DEPARTURES.items():
         assert recl.extensions(dataclasses.replace(paper, **on[name])) == recl.Extensions(**{point: function}), name
     assert recl.extensions(dataclasses.replace(paper, variant="inversion")) == recl.Extensions(loss=recl.inversion_loss)
