@@ -204,15 +204,18 @@ def knowing_python(folder, then=f'exec {sys.executable} "$@"'):
     return str(fake)
 
 
-def run_all_dry(tmp_path, *args, python=sys.executable, **knobs):
-    """run_all.sh with DRY_RUN=1: its result and the run lines it printed."""
-    env = {"PATH": "/usr/bin:/bin", "PYTHON": python, "DRY_RUN": "1", "SCENARIOS": "cil", **knobs}
+def run_all_dry(tmp_path, *args, python=None, **knobs):
+    """run_all.sh with DRY_RUN=1 in `tmp_path`: its result and the run lines it printed. Unless
+    another `python` is given, the lists of methods and datasets come from knowing_python."""
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": python or knowing_python(tmp_path), "DRY_RUN": "1", "SCENARIOS": "cil",
+           **knobs}
     result = subprocess.run(["bash", str(HERE / "run_all.sh"), *args], capture_output=True, text=True, env=env,
                             cwd=tmp_path)
     return result, [line for line in result.stdout.splitlines() if "recl.py" in line or "experiments.py" in line]
 
 
-# The background work of two run_all.sh tests: DRY_RUN lists and checks, and a list run through xargs.
+# The work of three run_all.sh tests: your own data and bad flags (run here), and in the background DRY_RUN
+# lists and checks, and a list run through xargs.
 
 OWN = dict(x_train=torch.rand(60, 12), y_train=torch.arange(60) % 6, x_test=torch.rand(18, 12), y_test=torch.arange(18) % 6)
 
@@ -227,13 +230,13 @@ def run_all_own_data_and_bad_flags(folder):
 
 
 def run_all_then_the_same_list_through_xargs(folder):
-    env = dict(PATH=os.environ["PATH"], PYTHON=sys.executable, OMP_NUM_THREADS="1", METHODS="finetune", SCENARIOS="cil",
-               SEEDS="2", VARIANTS="base recl")
+    env = dict(PATH=os.environ["PATH"], PYTHON=knowing_python(folder), OMP_NUM_THREADS="1", METHODS="finetune", SCENARIOS="cil",
+               SEEDS="1", VARIANTS="base recl")
     run_all = lambda out, **knobs: subprocess.run(["bash", str(HERE / "run_all.sh"), "--epochs", "1", "--n-per-class",
                                                    "5", "--n-rec", "2"], capture_output=True, text=True, cwd=HERE,
                                                   env={**env, "RESULTS": str(folder / out), **knobs})
     def both():
-        whole, listed = run_all("run_all"), run_all("xargs", DRY_RUN="1")
+        whole, listed = run_all("run_all", DEVICES="0"), run_all("xargs", DRY_RUN="1")
         (folder / "runs.txt").write_text(listed.stdout)
         return whole, listed, subprocess.run(f"xargs -P 2 -I{{}} sh -c '{{}}' < {folder / 'runs.txt'}", shell=True,
                                              cwd=HERE, capture_output=True, text=True, env={**os.environ, **env})

@@ -172,7 +172,8 @@ if [ "$count" -gt 0 ]; then
   trap 'rm -rf "$queue"' EXIT
   # Background processes of a script ignore Ctrl-C, so stop the workers here
   # (a run in flight is lost; results are written atomically, none is half-written).
-  trap 'kill "${workers[@]}" 2>/dev/null; wait; echo "run_all: interrupted; finished runs are saved, rerun to do the rest" >&2; exit 130' INT TERM
+  # (every job, not just the workers listed: a signal can come before the last one is)
+  trap 'kill $(jobs -p) 2>/dev/null; wait; echo "run_all: interrupted; finished runs are saved, rerun to do the rest" >&2; exit 130' INT TERM
   printf '%s\n' "$todo" > "$queue/commands"
   for ((job = 0; job < JOBS; job++)); do
     if [ ${#DEVICE_LIST[@]} -gt 0 ]; then  # spread the workers over the GPUs

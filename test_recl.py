@@ -1365,41 +1365,32 @@ def test_run_all_knobs_quick_runs_and_interrupts_and_queue_workers_claim_each_ru
     done = sorted(p.name.split("-seed")[1] for p in (tmp_path / "queue").iterdir())
     assert done == ["0.json", "2.json"]  # the runs after the failures ran
     assert sorted(p.name for p in tmp_path.glob("claimed-*")) == [f"claimed-{i}" for i in (0, 1, 2, 4, 5)]
-    # seed 2 ran after seed 0 in the same process; alone, in a fresh one, it gives the same numbers (on as many
-    # threads as the tests here: with another count a sum can differ in its last bit)
-    alone = subprocess.run([sys.executable, str(HERE / "recl.py"), "--seed", "2", *tiny.split(),
-                            "--out", str(tmp_path / "alone")], capture_output=True, text=True, cwd=HERE,
-                           env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())})
-    assert alone.returncode == 0, alone.stderr
-    (single,) = (tmp_path / "alone").glob("*.json")
-    queued, single = json.loads((tmp_path / "queue" / single.name).read_text()), json.loads(single.read_text())
-    without_time = lambda record: [{k: v for k, v in r.items() if k != "seconds"} for r in record["reconstructions"]]
-    assert queued["acc_matrix"] == single["acc_matrix"] and without_time(queued) == without_time(single)
     assert experiments.work_through_queue(tmp_path) is None  # everything claimed: a second worker does nothing
     with pytest.raises(cli.UsageError, match="no file"):
         experiments.work_through_queue(tmp_path / "queue")
     # an interrupted run_all.sh stops its workers
     # a stand-in for python whose queue workers announce themselves on a pipe and then only wait, so that nothing real
     # runs
-    pipe, fake = tmp_path / "workers", tmp_path / "python"
+    pipe = tmp_path / "workers"
     os.mkfifo(pipe)
-    fake.write_text(f'#!/bin/bash\n[ "$1 $2" = "experiments.py queue" ] && {{ echo $$ > {pipe}; exec sleep 600; }}\n'
-                    f'exec {sys.executable} "$@"\n')
-    fake.chmod(0o755)
-    env = {"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "JOBS": "2", "SEEDS": "1", "METHODS": "finetune",
-           "SCENARIOS": "cil", "RESULTS": str(tmp_path / "out")}
+    (tmp_path / "interrupted").mkdir()
+    fake = knowing_python(tmp_path / "interrupted", f'[ "$1 $2" = "experiments.py queue" ] && '
+                          f'{{ echo $$ $CUDA_VISIBLE_DEVICES > {pipe}; exec sleep 600; }}\nexec {sys.executable} "$@"')
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": fake, "JOBS": "3", "SEEDS": "1", "METHODS": "finetune",
+           "SCENARIOS": "cil", "RESULTS": str(tmp_path / "out"), "DEVICES": "4 7"}
     run_all = subprocess.Popen(["bash", str(HERE / "run_all.sh")], env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, cwd=HERE)
     # opened for writing too, the pipe never reads as ended between the two workers' writes: each readline waits for a
     # worker to write, and nothing written can be lost
     with os.fdopen(os.open(pipe, os.O_RDWR)) as announced:
-        workers = [int(announced.readline()) for _ in range(2)]
+        workers, gpus = zip(*(announced.readline().split() for _ in range(3)))
+    assert sorted(gpus) == ["4", "4", "7"]  # DEVICES="4 7": the workers take the GPUs in turn
     run_all.send_signal(signal.SIGTERM)
     _, err = run_all.communicate(timeout=60)
     assert run_all.returncode == 130 and "interrupted; finished runs are saved" in err
     for pid in workers:  # run_all.sh waited for its workers: none is left running
         with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+            os.kill(int(pid), 0)
 
 finished_run_flags = lambda folder: ["--dataset", "mnist", "--scenario", "cil", "--method", "finetune", "--out",
                                      str(folder), "--epochs", "3", "--seed", "0"]
@@ -1413,7 +1404,7 @@ def run_all_dry_runs(folder):
     dry = lambda *args, **knobs: run_all_dry(folder, *args, RESULTS=str(folder), **knobs)
     return lambda: dict(
         beside=dry("--epochs", "3", SEEDS="2", METHODS="finetune gpm", DATASETS="mnist cifar10", DATA_ROOT=str(folder)),
-        shipped=run_all_dry(HERE, "--rec-precision", "bfloat16", SCENARIOS="cil dil",
+        shipped=run_all_dry(HERE, "--rec-precision", "bfloat16", SCENARIOS="cil dil", python=knowing_python(folder),
                             RESULTS=str(HERE / "docs/runs/table-bf16")),
         quick=dry("--epochs", "9", "--n-rec", "7", QUICK="1", SEEDS="3", METHODS="finetune"),
         quick_sweep=dry(QUICK="1", SWEEP="epochs 1 2", METHODS="finetune"), joint=dry(METHODS="finetune joint", SEEDS="2"),
@@ -1422,12 +1413,11 @@ def run_all_dry_runs(folder):
                          DATA_ROOT=str(folder)),  # the default folder
         failing=(subprocess.run(["bash", str(HERE / "run_all.sh"), "--hp", "ewc_lambda=5", "--epochs", "1", "--n-per-class",
                                  "5"], capture_output=True, text=True, cwd=HERE, env={
-            "PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "SCENARIOS": "cil", "METHODS": "finetune ewc",
+            "PATH": "/usr/bin:/bin", "PYTHON": knowing_python(folder), "SCENARIOS": "cil", "METHODS": "finetune ewc",
             "VARIANTS": "base", "SEEDS": "1", "RESULTS": str(folder / "real"), "OMP_NUM_THREADS": "1"}), None))
 
-@in_background(run_all_own_data_and_bad_flags)
-def test_your_pt_counts_by_its_contents_and_run_all_checks_every_flag_before_any_run(started, monkeypatch):
-    (own, local, *refused), folder = started
+def test_your_pt_counts_by_its_contents_and_run_all_checks_every_flag_before_any_run(tmp_path, monkeypatch):
+    (own, local, *refused), folder = run_all_own_data_and_bad_flags(tmp_path)(), tmp_path  # here: the others are long
     monkeypatch.chdir(folder)
     def name(path):
         args = cli.make_parser().parse_args(["--dataset", path, "--classes-per-task", "3", "--n-per-class", "5"])
@@ -1449,11 +1439,16 @@ def test_a_dry_run_list_through_xargs_gives_run_alls_table_and_slurm_picks_one_l
     (whole, listed, xargs), folder = started
     assert whole.returncode == 0 and xargs.returncode == 0, (whole.stderr, xargs.stderr)
     lines = listed.stdout.splitlines()
-    assert len(lines) == 4 and all(line.startswith(f"{sys.executable} recl.py") for line in lines)
-    records = lambda out: {p.name: json.loads(p.read_text())["acc_matrix"] for p in (folder / out).glob("*.json")}
-    assert len(records("run_all")) == 4 and records("run_all") == records("xargs")  # same files, same numbers
+    assert len(lines) == 2 and all(line.startswith(f"{folder}/knowing-python recl.py") for line in lines)
+    # same files, same numbers: run_all's one worker ran both in one process, xargs each in a fresh one
+    records = lambda out: {p.name: (r["acc_matrix"], [{k: v for k, v in rec.items() if k != "seconds"} for rec in
+                                                      r["reconstructions"]]) for p in (folder / out).glob("*.json")
+                           for r in [json.loads(p.read_text())]}
+    assert len(records("run_all")) == 2 and records("run_all") == records("xargs")
+    gpus = lambda out: {json.loads(p.read_text())["provenance"]["cuda_visible_devices"] for p in (folder / out).glob("*.json")}
+    assert gpus("run_all") == {"0"} and gpus("xargs") == {os.environ.get("CUDA_VISIBLE_DEVICES")}  # DEVICES="0"
     recipe = (HERE / "docs/running.md").read_text().split("--wrap '")[1].split("'")[0].replace("| bash", "")
-    for task in (1, 4):  # the line docs/running.md's job array runs as task 1 and task 4
+    for task in (1, 2):  # the line docs/running.md's job array runs as task 1 and task 2
         picked = subprocess.run(recipe, shell=True, capture_output=True, text=True, cwd=folder,
                                 env={"PATH": os.environ["PATH"], "SLURM_ARRAY_TASK_ID": str(task)})
         assert picked.stdout.splitlines() == [lines[task - 1]]
