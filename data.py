@@ -135,12 +135,13 @@ def fetch(name, root, download, explain=None):
     """Run a torchvision download, or explain in one line how to get the files by hand; a
     download that fails leaves no empty folders behind."""
     root = Path(root)
-    before = set(root.rglob("*")) if root.exists() else None
+    before = set(root.rglob("*")) if root.exists() else set()
+    above = [p for p in (root, *root.parents) if not p.exists()]  # root and the folders above it it would make
     try:
         download()
     except Exception as err:  # offline machines fail in many ways (DNS, refused, timeout)
-        made = [p for p in (root.rglob("*") if root.exists() else []) if before is None or p not in before]
-        for folder in sorted((p for p in made if p.is_dir()), key=lambda p: -len(p.parts)) + ([root] * (before is None)):
+        made = [p for p in (root.rglob("*") if root.exists() else []) if p.is_dir() and p not in before]
+        for folder in sorted(made, key=lambda p: -len(p.parts)) + above:  # the deepest first
             if folder.is_dir() and not any(folder.iterdir()):
                 folder.rmdir()
         raise DataError((explain or f"{name} is not under {root} and could not be downloaded ({{}}); on a machine with "

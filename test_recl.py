@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 import torch
@@ -776,7 +777,12 @@ def test_grown_heads_split_mnist_and_each_dataset_read_from_its_own_files_or_exp
     monkeypatch.setattr(data, "DEBIAN_FASHION_MNIST", tmp_path / "nowhere")
     monkeypatch.setattr(torchvision.datasets, "FashionMNIST", OFFLINE)
     with pytest.raises(data.DataError, match="apt-get install dataset-fashion-mnist"):
-        data.load("fashion-mnist", tmp_path / "elsewhere")
+        data.load("fashion-mnist", tmp_path / "offline" / "data")
+    (tmp_path / "had" / "old").mkdir(parents=True)
+    with pytest.raises(data.DataError, match=r"could not be downloaded \(OSError\)"):
+        data.fetch("MNIST", tmp_path / "had", lambda: OFFLINE(tmp_path / "had" / "MNIST"))
+    assert not (tmp_path / "offline").exists() and not (tmp_path / "had" / "MNIST").exists()  # what it made is gone,
+    assert (tmp_path / "had" / "old").is_dir()  # what was there stays
     # CIFAR10 from its python batches; a crafted batch is refused and runs nothing, a broken one is refused
     folder, marker = tmp_path / "cifar-10-batches-py", tmp_path / "ran"
     folder.mkdir()
@@ -834,7 +840,11 @@ def test_grown_heads_split_mnist_and_each_dataset_read_from_its_own_files_or_exp
     changed, changed_labels = data.load_mnist_subset(path)
     assert changed[:, 0, 0, 0].tolist() == [1] and changed_labels.tolist() == [0]
 
-OFFLINE = lambda *args, **kwargs: (_ for _ in ()).throw(OSError("no network"))  # a download without a network
+def OFFLINE(root=None, **kwargs):
+    """A download without a network, as torchvision's fails: it makes its folders first."""
+    if root is not None:
+        (Path(root) / "raw").mkdir(parents=True)
+    raise OSError("no network")
 
 GOOD_PT = {"x_train": torch.rand(4, 3), "y_train": torch.arange(4), "x_test": torch.rand(4, 3), "y_test": torch.arange(4)}
 from_pt = lambda path: data.make_tasks(str(path), 0, n_per_class=1)
@@ -1221,6 +1231,9 @@ def test_aggregate_averages_each_config_skips_what_is_not_a_run_and_draws_charts
             cli.write_json_atomically(tmp_path / f"{variant}-{seed}.json",
                                       {**fake_record("finetune", variant, seed, 60.0, -20.0), "acc_matrix": R})
     experiments.aggregate(tmp_path, QUIET)
+    root = ET.parse(tmp_path / "chart-mnist.svg").getroot()  # one panel: the legend still fits, at 0.6 em a letter
+    legend = [t for t in root.iter(ns + "text") if t.get("y") == "37"]  # (wider than sans-serif's letters)
+    assert len(legend) == 5 and max(float(t.get("x")) + 0.6 * 11 * len(t.text) for t in legend) <= float(root.get("width"))
     root = ET.parse(tmp_path / "matrix-mnist-cil-finetune.svg").getroot()
     lines = {(l.get("data-panel"), l.get("data-task")): [tuple(map(float, p.split(","))) for p in l.get("points").split()]
              for l in root.iter("{http://www.w3.org/2000/svg}polyline")}
@@ -1309,6 +1322,11 @@ def test_tune_searches_on_validation_data_only_and_every_subcommand_explains_its
         experiments.benchmark(["--device", "cuda"])
     with pytest.raises(cli.UsageError, match="is a folder"):
         experiments.benchmark(["--out", str(tmp_path)])
+    monkeypatch.setattr(torchvision.datasets, "CIFAR10", OFFLINE)  # its data checked first, under --data-root
+    with pytest.raises(cli.UsageError, match=f"CIFAR10 is not under {tmp_path}/none and could not be downloaded"):
+        experiments.benchmark(["--dataset", "cifar10", "--data-root", str(tmp_path / "none")])
+    with pytest.raises(cli.UsageError, match="--model, --scenario set.s. the end-to-end runs, which --no-runs skips"):
+        experiments.benchmark(["--no-runs", "--model", "cnn", "--scenario", "dil"])
     monkeypatch.undo()
     # forward and backward of a product or a convolution is three times its forward (input and weight gradients);
     # torch.profiler misses the convolution's backward
