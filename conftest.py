@@ -214,8 +214,8 @@ def run_all_dry(tmp_path, *args, python=None, **knobs):
     return result, [line for line in result.stdout.splitlines() if "recl.py" in line or "experiments.py" in line]
 
 
-# The work of three run_all.sh tests: your own data and bad flags (run here), and in the background DRY_RUN
-# lists and checks, and a list run through xargs.
+# The work of four run_all.sh tests: your own data and bad flags (run here), and in the background a list run
+# through xargs, and DRY_RUN's plans and checks.
 
 OWN = dict(x_train=torch.rand(60, 12), y_train=torch.arange(60) % 6, x_test=torch.rand(18, 12), y_test=torch.arange(18) % 6)
 
@@ -241,3 +241,29 @@ def run_all_then_the_same_list_through_xargs(folder):
         return whole, listed, subprocess.run(f"xargs -P 2 -I{{}} sh -c '{{}}' < {folder / 'runs.txt'}", shell=True,
                                              cwd=HERE, capture_output=True, text=True, env={**os.environ, **env})
     return both
+
+
+finished_run_flags = lambda folder: ["--dataset", "mnist", "--scenario", "cil", "--method", "finetune", "--out",
+                                     str(folder), "--epochs", "3", "--seed", "0"]
+
+
+def run_all_dry_runs(folder):
+    """run_all.sh's plans (DRY_RUN=1) beside a finished run and a finished run of a sweep, and for the shipped table."""
+    done = config.result_path(folder, resolved(*finished_run_flags(folder), variant="base"))
+    cli.write_json_atomically(done, fake_record("finetune", "base", 0, 1, 1))
+    finished = resolved("--method", "finetune", "--m", "25")
+    cli.write_json_atomically(config.result_path(folder / "m-25", finished), fake_record("finetune", "recl", 0, 1, 1))
+    dry = lambda *args, **knobs: run_all_dry(folder, *args, RESULTS=str(folder), **knobs)
+    return lambda: dict(
+        beside=dry("--epochs", "3", SEEDS="2", METHODS="finetune gpm", DATASETS="mnist cifar10", DATA_ROOT=str(folder)),
+        shipped=run_all_dry(HERE, "--rec-precision", "float32", SCENARIOS="cil dil", python=knowing_python(folder),
+                            RESULTS=str(HERE / "docs/runs/table")),
+        quick=dry("--epochs", "9", "--n-rec", "7", QUICK="1", SEEDS="3", METHODS="finetune"),
+        quick_sweep=dry(QUICK="1", SWEEP="epochs 1 2", METHODS="finetune"), joint=dry(METHODS="finetune joint", SEEDS="2"),
+        sweep=dry("--n-rec", "100", SWEEP="m 10 25", METHODS="finetune", SEEDS="1", VARIANTS="base recl"),
+        tune=run_all_dry(folder, TUNE="1", METHODS="ewc gpm", SEEDS="5", DATASETS="mnist cifar10",
+                         DATA_ROOT=str(folder)),  # the default folder
+        failing=(subprocess.run(["bash", str(HERE / "run_all.sh"), "--hp", "ewc_lambda=5", "--epochs", "1", "--n-per-class",
+                                 "5"], capture_output=True, text=True, cwd=HERE, env={
+            "PATH": "/usr/bin:/bin", "PYTHON": knowing_python(folder), "SCENARIOS": "cil", "METHODS": "finetune ewc",
+            "VARIANTS": "base", "SEEDS": "1", "RESULTS": str(folder / "real"), "OMP_NUM_THREADS": "1"}), None))

@@ -33,10 +33,10 @@ import judging
 import models
 import recl
 import strategies
-from conftest import (HERE, ONE_THREAD, OWN, QUIET, displaced, fake_record, in_background, initial_candidates,
-                      knowing_python, loss_terms, nearest_cosine, resolved, run_all_dry, run_all_own_data_and_bad_flags,
-                      run_all_then_the_same_list_through_xargs, run_config, small_batch_norm_net, step1,
-                      synthetic_tasks, train, with_loss, write_idx)
+from conftest import (HERE, ONE_THREAD, OWN, QUIET, displaced, fake_record, finished_run_flags, in_background,
+                      initial_candidates, knowing_python, loss_terms, nearest_cosine, resolved, run_all_dry,
+                      run_all_dry_runs, run_all_own_data_and_bad_flags, run_all_then_the_same_list_through_xargs,
+                      run_config, small_batch_norm_net, step1, synthetic_tasks, train, with_loss, write_idx)
 
 # ==== 1. The math, each test a small proof: Eq. 3-6, margins, smooth ReLU, targets, labels, ACC, BWT ========
 
@@ -1410,30 +1410,6 @@ def test_run_all_knobs_quick_runs_and_interrupts_and_queue_workers_claim_each_ru
         with pytest.raises(ProcessLookupError):
             os.kill(int(pid), 0)
 
-finished_run_flags = lambda folder: ["--dataset", "mnist", "--scenario", "cil", "--method", "finetune", "--out",
-                                     str(folder), "--epochs", "3", "--seed", "0"]
-
-def run_all_dry_runs(folder):
-    """run_all.sh's plans (DRY_RUN=1) beside a finished run and a finished run of a sweep, and for the shipped table."""
-    done = config.result_path(folder, resolved(*finished_run_flags(folder), variant="base"))
-    cli.write_json_atomically(done, fake_record("finetune", "base", 0, 1, 1))
-    finished = resolved("--method", "finetune", "--m", "25")
-    cli.write_json_atomically(config.result_path(folder / "m-25", finished), fake_record("finetune", "recl", 0, 1, 1))
-    dry = lambda *args, **knobs: run_all_dry(folder, *args, RESULTS=str(folder), **knobs)
-    return lambda: dict(
-        beside=dry("--epochs", "3", SEEDS="2", METHODS="finetune gpm", DATASETS="mnist cifar10", DATA_ROOT=str(folder)),
-        shipped=run_all_dry(HERE, "--rec-precision", "bfloat16", SCENARIOS="cil dil", python=knowing_python(folder),
-                            RESULTS=str(HERE / "docs/runs/table-bf16")),
-        quick=dry("--epochs", "9", "--n-rec", "7", QUICK="1", SEEDS="3", METHODS="finetune"),
-        quick_sweep=dry(QUICK="1", SWEEP="epochs 1 2", METHODS="finetune"), joint=dry(METHODS="finetune joint", SEEDS="2"),
-        sweep=dry("--n-rec", "100", SWEEP="m 10 25", METHODS="finetune", SEEDS="1", VARIANTS="base recl"),
-        tune=run_all_dry(folder, TUNE="1", METHODS="ewc gpm", SEEDS="5", DATASETS="mnist cifar10",
-                         DATA_ROOT=str(folder)),  # the default folder
-        failing=(subprocess.run(["bash", str(HERE / "run_all.sh"), "--hp", "ewc_lambda=5", "--epochs", "1", "--n-per-class",
-                                 "5"], capture_output=True, text=True, cwd=HERE, env={
-            "PATH": "/usr/bin:/bin", "PYTHON": knowing_python(folder), "SCENARIOS": "cil", "METHODS": "finetune ewc",
-            "VARIANTS": "base", "SEEDS": "1", "RESULTS": str(folder / "real"), "OMP_NUM_THREADS": "1"}), None))
-
 def test_your_pt_counts_by_its_contents_and_run_all_checks_every_flag_before_any_run(tmp_path, monkeypatch):
     (own, local, *refused), folder = run_all_own_data_and_bad_flags(tmp_path)(), tmp_path  # here: the others are long
     monkeypatch.chdir(folder)
@@ -1490,8 +1466,8 @@ def test_run_all_plans_only_what_is_left_to_run_as_asked_and_a_failing_run_stops
     assert sum("--method gpm --variant recl --rec-objective inversion" in r for r in runs) == 2
     assert all(r.rstrip().endswith("--epochs 3") for r in runs)
     assert "skipping cifar10: CIFAR10 is not under" in result.stderr
-    # the README's table (docs/runs/table-bf16), migrated to config digests, is what run_all.sh would make today at
-    # --rec-precision bfloat16 (the CPU that made it chose it)
+    # the README's table (docs/runs/table) is what run_all.sh would make today at --rec-precision float32 (the CPU
+    # that made it chose it)
     assert plans["shipped"][1] == [] and "0 runs to do" in plans["shipped"][0].stderr
     # QUICK's presets yield to explicit knobs, flags and sweeps
     last = lambda line, flag: cli.make_parser().parse_args(line.split("recl.py")[1].split()).__dict__[flag]
