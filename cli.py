@@ -161,6 +161,8 @@ def make_parser(prog="recl.py", description=DESCRIPTION):
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help=f"auto: CUDA when present {default_of('device')}")
     p.add_argument("--out", default="results", help="folder for one JSON file per run (default: results)")
     p.add_argument("--quiet", action="store_true", help="print only one line per finished run")
+    p.add_argument("--skip-done", action="store_true",
+                   help="skip a run whose result file exists (run_all's lists carry it, so a list can be rerun)")
     return p
 
 
@@ -189,8 +191,9 @@ def check(args, probe_out=True):
         raise UsageError(f"--seed must be >= 0, and --seed plus --seeds at most {MAX_SEED}, got {args.seed}")
     if (args.seeds or 1) > MAX_SEEDS:
         raise UsageError(f"--seeds {args.seeds} is more than {MAX_SEEDS}, more runs than a table needs")
-    if args.lr is not None and args.lr > MAX_LR:
-        raise UsageError(f"--lr {args.lr:g} is above {MAX_LR:g}: SGD diverges at its first step")
+    for flag, most in MAX_STEP.items():
+        if positive[flag] is not None and positive[flag] > most:
+            raise UsageError(f"--{flag} {positive[flag]:g} is above {most:g}: the first step diverges or overflows")
     if not str(args.out).strip():
         raise UsageError("--out is empty; it must name a folder")
     if args.scenario == "dil" and args.classes_per_task == 1:
@@ -247,7 +250,8 @@ def check_writable(folder):
         raise UsageError(f"--out {folder}: cannot write results there ({err.strerror or err})") from None
 
 
-MAX_SEED, MAX_SEEDS, MAX_LR = 2 ** 31, 1000, 10.0  # beyond them a seed overflows, a queue never ends, SGD diverges
+MAX_SEED, MAX_SEEDS = 2 ** 31, 1000  # beyond them a seed overflows, a queue never ends
+MAX_STEP = {"lr": 10.0, "lr-x": 1000.0, "lr-lambda": 1000.0}  # step sizes beyond which a first step blows up
 
 
 def memory_available(device):
@@ -350,18 +354,22 @@ def main(argv=None):
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
     runs = [config.resolve(args, seed, variant) for seed in range(args.seed, args.seed + (args.seeds or 1))
             for variant in config.variants(args)]
-    for cfg in runs[::len(config.variants(args))]:  # the data each seed gets, checked before any task trains
-        tasks, _, _, left_out = make_tasks(cfg)
+    for i, cfg in enumerate(runs):  # each seed's data and each run's memory, checked before any task trains
+        if i == 0 or cfg.seed != runs[i - 1].seed:
+            tasks, _, _, left_out = make_tasks(cfg)
+            if left_out:  # the class order decides which; the run's JSON records them
+                print(f"note: seed {cfg.seed} leaves out class(es) {left_out}: they fill no whole task of "
+                      f"{cfg.classes_per_task} classes", flush=True)
         check_tasks(tasks, cfg)
-        if left_out:  # the class order decides which; the run's JSON records them
-            print(f"note: seed {cfg.seed} leaves out class(es) {left_out}: they fill no whole task of "
-                  f"{cfg.classes_per_task} classes", flush=True)
     results, failed, loaded = {}, [], None
     for cfg in runs:
+        name, path = config.variant_name(cfg.method, cfg.variant), config.result_path(args.out, cfg)
+        if args.skip_done and path.exists():
+            print(f"{name} {cfg.scenario} seed {cfg.seed}: done before, skipped -> {path}", flush=True)
+            continue
         if loaded is None or loaded[0] != cfg.seed:
             loaded = (cfg.seed, *make_tasks(cfg))
         _, tasks, class_order, mean_image, left_out = loaded
-        name, path = config.variant_name(cfg.method, cfg.variant), config.result_path(args.out, cfg)
         log(f"{config.describe(cfg)} | class order {class_order}")
         image_path = path if args.save_images else None  # the images are named like the JSON
         judge = lambda old, x_rec, y_rec: judging.report_reconstruction(name, old, x_rec, cfg, mean_image, image_path,
@@ -378,8 +386,9 @@ def main(argv=None):
         bwt = "n/a" if record["BWT"] is None else f"{record['BWT']:.2f}"
         flagged = record["failed_reconstructions"]
         print(f"{name} {cfg.scenario} seed {cfg.seed}: ACC {record['ACC']:.2f} BWT {bwt} in {record['seconds']:.0f}s"
-              + (f", {flagged} of {len(record['reconstructions'])} reconstructions FLAGGED (see the log)"
-                 if flagged else "") + f" -> {path}", flush=True)
+              + (f", {flagged} of {len(record['reconstructions'])} reconstructions FLAGGED (see the "
+                 f"{'JSON' if args.quiet else 'log'})" if flagged else "") + f" -> {path}"
+              + (" (and its images, named like it)" if args.save_images else ""), flush=True)
         results.setdefault(name, []).append(record["ACC"])
     for name, accs in results.items():
         if len(accs) > 1:

@@ -224,8 +224,8 @@ def run_all_own_data_and_bad_flags(folder):
     torch.save(OWN, folder / "x.pt")
     (folder / "elsewhere").mkdir()
     run = lambda *args, **knobs: run_all_dry(folder / "elsewhere", *args, METHODS="finetune", SEEDS="1", **knobs)
-    return lambda: [run("--classes-per-task", "3", "--n-per-class", "5", DATASETS="../x.pt", VARIANTS="base"),
-                    run("--ce-scope", "local", VARIANTS="base recl"), run(DATASETS="missing.pt"), run("--bogus", "3"),
+    return lambda: [run("--classes-per-task", "3", "--n-per-class", "5", DATASETS="../x.pt", VARIANTS="base",
+                        RESULTS="out"), run("--ce-scope=local", VARIANTS="base recl"), run(DATASETS="missing.pt"), run("--bogus", "3"),
                     run(SWEEP="m -1 abc"), run(RESULTS=str(folder / "x.pt"))]
 
 
@@ -238,8 +238,11 @@ def run_all_then_the_same_list_through_xargs(folder):
     def both():
         whole, listed = run_all("run_all", DEVICES="0"), run_all("xargs", DRY_RUN="1")
         (folder / "runs.txt").write_text(listed.stdout)
-        return whole, listed, subprocess.run(f"xargs -P 2 -I{{}} sh -c '{{}}' < {folder / 'runs.txt'}", shell=True,
-                                             cwd=HERE, capture_output=True, text=True, env={**os.environ, **env})
+        recipe = next(line for line in (HERE / "docs/running.md").read_text().splitlines()
+                      if "xargs -P" in line and "< runs.txt" in line)
+        return whole, listed, subprocess.run(recipe.split("#")[0].replace("runs.txt", str(folder / "runs.txt")),
+                                             shell=True, cwd=HERE, capture_output=True, text=True,
+                                             env={**os.environ, **env})  # as docs/running.md says
     return both
 
 

@@ -295,13 +295,18 @@ def load_tensor_file(path):
             raise DataError(f"{path}: x_{split} must be [N, C, H, W] or [N, D], got shape {list(x.shape)}")
         if y.dim() != 1 or len(y) != len(x):
             raise DataError(f"{path}: y_{split} must be a 1-D tensor with one label per row of x_{split}")
+        if not len(x):
+            raise DataError(f"{path}: x_{split} holds no images")
         if y.dtype.is_floating_point or y.dtype == torch.bool:
             raise DataError(f"{path}: y_{split} must hold integer labels, got {y.dtype}")
         if len(y) and y.min() < 0:
             raise DataError(f"{path}: y_{split} has negative labels")
         if split == "train" and not torch.equal(y.unique(), torch.arange(len(y.unique()))):
             raise DataError(f"{path}: y_train must use the labels 0..K-1, each at least once; got {y.unique().tolist()}")
-        if x.dtype != torch.uint8 and not (x.dtype.is_floating_point and len(x) and 0 <= x.min() and x.max() <= 1):
+        unseen = [c for c in y.unique().tolist() if c >= len(parts[1].unique())] if split == "test" else []
+        if unseen:
+            raise DataError(f"{path}: y_test has labels that y_train lacks: {unseen}")
+        if x.dtype != torch.uint8 and not (x.dtype.is_floating_point and 0 <= x.min() and x.max() <= 1):
             raise DataError(f"{path}: x_{split} must be uint8 (0-255) or float in [0, 1]")
         if not torch.isfinite(x.float()).all():
             raise DataError(f"{path}: x_{split} has non-finite values")

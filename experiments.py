@@ -80,7 +80,9 @@ def pending_runs(lines, say=lambda message: print(message, file=sys.stderr)):
         command = command_args(line)
         if command is None:
             continue
-        kind, argv = command
+        (kind, argv), words = command, shlex.split(line)
+        prefix = words[:len(words) - len(argv)]
+        argv = [w for word in argv for w in (word.split("=", 1) if word.startswith("--") else [word])]  # --f=v: 2 words
         value = lambda flag: argv[argv.index(flag) + 1:][:1] if flag in argv else []
         alone = value("--method") == ["joint"] or value("--variant") == ["base"]
         unused = (cli.RECL_FLAGS if alone else cli.NOT_FOR_INVERSION if value("--rec-objective") == ["inversion"]
@@ -91,9 +93,8 @@ def pending_runs(lines, say=lambda message: print(message, file=sys.stderr)):
                 "local"]):  # a class-incremental setting; local needs replayed rows
             unused = (*unused, "ce_scope")
         if unused:
-            kept = cli.without_flags(argv, unused)
-            words = shlex.split(line)
-            line, argv = shlex.join(words[:len(words) - len(argv)] + kept), kept
+            argv = cli.without_flags(argv, unused)
+            line = shlex.join(prefix + argv)
         if alone:  # a sweep of a +ReCL setting: the method alone is one run, made in the first folder
             key = tuple(word for i, word in enumerate(argv) if word != "--out" and argv[i - 1:i] != ["--out"])
             if key in alone_seen:
@@ -118,6 +119,8 @@ def pending_runs(lines, say=lambda message: print(message, file=sys.stderr)):
         paths = [tuning_path(args)] if kind == "tune" else result_paths(args)
         if not all(path.exists() for path in paths):
             todo.append(line.rstrip())
+    if loadable and not any(loadable.values()):  # nothing asked for can run: no table of other runs either
+        raise UsageError(f"no dataset asked for can be loaded ({', '.join(loadable)}; why above): nothing was run")
     return todo
 
 
@@ -202,9 +205,12 @@ def method_rank(method):
 
 
 def differences(old, new):
+    """What in run record `new`'s settings (its own .pt data by contents too) differs from `old`'s."""
+    old, new = ({**r["config"], "dataset_sha256": r.get("dataset_sha256", "")[:12]} for r in (old, new))
     keys = sorted(set(old) | set(new), key=str)
     same = lambda k: old.get(k) == new.get(k)
-    return ", ".join(f"{k} {new.get(k)}" for k in keys if k not in config.NOT_IN_DIGEST and not same(k))
+    changed = [f"{k} {new.get(k)}" for k in keys if k not in config.NOT_IN_DIGEST and not same(k)]
+    return ", ".join(changed) or "nothing recorded"
 
 
 def summary_table(records):
@@ -231,10 +237,9 @@ def summary_table(records):
         label = name if names.count(name) == 1 else f"{name} [{key}]"
         if names.count(name) > 1:
             if name in first_of:
-                notes.append(f"[{key}] differs from [{first_of[name][0]}] in: "
-                             f"{differences(first_of[name][1], runs[0]['config'])}")
+                notes.append(f"[{key}] differs from [{first_of[name][0]}] in: {differences(first_of[name][1], runs[0])}")
             else:
-                first_of[name] = (key, runs[0]["config"])
+                first_of[name] = (key, runs[0])
         ssim_ = [statistics.mean(q["mean_ssim"] for q in r["recon_quality"]) for r in runs if r.get("recon_quality")]
         rec_s = [r["phase_seconds"]["reconstruct"] for r in runs if r["recl"]]
         made = sum(len(r["reconstructions"]) for r in runs)
@@ -326,7 +331,7 @@ def chart_svg(records, dataset):
                     parts.append(f'<rect class="bar" data-method="{name}" data-scenario="{scenario}" x="{bx:.1f}" '
                                  f'y="{y(mean):.1f}" width="{bar_w - 2}" height="{y(0) - y(mean):.1f}" '
                                  f'fill="{colour}"><title>{name} {scenario.upper()}: '
-                                 f'{mean:.2f} ({std:.2f}), {len(accs)} seed{"s" * (len(accs) != 1)}</title></rect>')
+                                 f'{mean:.2f}{f" ({std:.2f})" * (len(accs) > 1)}, {len(accs)} seed{"s" * (len(accs) != 1)}</title></rect>')
                     cx = bx + (bar_w - 2) / 2
                     parts.append(f'<line x1="{cx:.1f}" y1="{y(min(100, mean + std)):.1f}" x2="{cx:.1f}" '
                                  f'y2="{y(max(0, mean - std)):.1f}" stroke="#333"/>')

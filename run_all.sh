@@ -28,7 +28,10 @@
 # GNU parallel or a SLURM job array: every run skips a result that exists and writes atomically.
 set -euo pipefail
 refuse() { echo "run_all: $1" >&2; exit 2; }
-# Your own .pt files are read from where you are, wherever run_all.sh lives.
+# Your own .pt files, RESULTS and DATA_ROOT are read from where you are, wherever run_all.sh lives.
+for knob in RESULTS DATA_ROOT; do
+  [ -n "${!knob:-}" ] && [[ "${!knob}" != /* ]] && printf -v "$knob" '%s' "$(pwd)/${!knob}"
+done
 datasets=()
 for dataset in ${DATASETS:-mnist}; do
   if [[ "$dataset" == *.pt ]]; then
@@ -76,6 +79,8 @@ for knob in QUICK TUNE DRY_RUN; do
   [[ "${!knob:-0}" =~ ^[01]$ ]] || refuse "$knob must be 0 or 1, got \"${!knob}\""
 done
 [ "$TUNE" = 1 ] && [ -n "${SWEEP:-}" ] && refuse "TUNE=1 runs one search per method; it takes no SWEEP"
+[ ${#DEVICE_LIST[@]} -gt "$JOBS" ] && refuse "DEVICES lists ${#DEVICE_LIST[@]} GPUs, more than JOBS=$JOBS workers use: give JOBS=${#DEVICE_LIST[@]} or more"
+[ ${#DEVICE_LIST[@]} -gt 0 ] && [ "${DRY_RUN:-0}" = 1 ] && refuse "DEVICES places run_all's own workers; DRY_RUN=1 only lists runs (give each runner its CUDA_VISIBLE_DEVICES)"
 for word in ${EXTRA[@]+"${EXTRA[@]}"}; do  # what run_all sets per run is a knob, not a flag
   case "${word%%=*}" in
     --out|--method|--variant|--scenario|--dataset|--seed|--seeds|--rec-objective|--data-root)
@@ -137,7 +142,7 @@ every_run() {  # one shell command per run, finished or not
             for ((seed = 0; seed < SEEDS; seed++)); do
               # later flags win in recl.py: QUICK's presets, then yours, then the sweep's value
               printf '%q ' "$PYTHON" recl.py --dataset "$dataset" --scenario "$scenario" \
-                --method "$method" ${flags[@]+"${flags[@]}"} --seed "$seed" --out "$out" --quiet \
+                --method "$method" ${flags[@]+"${flags[@]}"} --seed "$seed" --out "$out" --quiet --skip-done \
                 ${root[@]+"${root[@]}"} ${quick[@]+"${quick[@]}"} \
                 ${EXTRA[@]+"${EXTRA[@]}"} ${point:+$point}
               echo

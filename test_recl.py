@@ -12,6 +12,7 @@ import json
 import math
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -219,9 +220,9 @@ def test_reconstruction_recovers_data_fits_displacements_and_hands_back_its_best
     step1(displaced(model), torch.tensor([0, 1]), (16,), run_config(n_rec=8), lines.append)
     assert [l.split(":")[0].strip() for l in lines] == ["step 2/8", "step 4/8", "step 6/8"]
     assert all("loss" in l for l in lines)  # and it prints its progress at each quarter
-    # `--lr-x 1e6 --n-rec 5`: every reconstruction ends at a loss no higher than its first, and the run says so in its
+    # `--lr-x 1000 --n-rec 5`: every reconstruction ends at a loss no higher than its first, and the run says so in its
     # JSON, its summary line and the aggregate table
-    cli.main(["--variant", "recl", "--lr-x", "1e6", "--n-rec", "5", "--epochs", "1", "--n-per-class", "10",
+    cli.main(["--variant", "recl", "--lr-x", "1000", "--n-rec", "5", "--epochs", "1", "--n-per-class", "10",
                "--out", str(tmp_path), "--quiet", "--rec-precision", "float32"])
     record = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert record["reconstructions"] and all(r["kept_loss"] <= r["first_loss"] for r in record["reconstructions"])
@@ -865,6 +866,8 @@ from_pt = lambda path: data.make_tasks(str(path), 0, n_per_class=1)
     ("bad.pt", dict(GOOD_PT, x_test=torch.rand(4, 5)), from_pt, "differ in shape"),
     ("bad.pt", dict(GOOD_PT, y_train=torch.zeros(4, dtype=torch.long), y_test=torch.zeros(4, dtype=torch.long)),
      from_pt, "too few for two tasks"), ("bad.pt", dict(GOOD_PT, y_train=torch.arange(4) + 5), from_pt, "labels 0..K-1"),
+    ("bad.pt", dict(GOOD_PT, y_test=torch.arange(4) + 1), from_pt, "y_test has labels that y_train lacks: \\[4\\]"),
+    ("bad.pt", dict(GOOD_PT, x_train=torch.rand(0, 3), y_train=torch.arange(0)), from_pt, "x_train holds no images"),
     ("cifar", None, lambda path: data.fetch("CIFAR10", path.parent, OFFLINE), "could not be downloaded"),])
 def test_missing_corrupt_and_malformed_dataset_files_and_offline_downloads_get_their_own_message(
         tmp_path, name, content, load, words):
@@ -976,9 +979,10 @@ HP = lambda method, hp: ["--method", method, "--hp", hp]
     (["--dataset", "NO_TEST.pt", "--n-per-class", "5", "--seeds", "3"], "class 3 of task 2 has no test images"),
     # extreme values, refused before torch sees them (issue 43): each once a traceback, a hang or a huge allocation
     (["--seed", "99999999999999999999"], "--seed plus --seeds at most"), (["--lr", "1e300"], "is above 10"),
-    (["--seeds", "1000000000"], "more runs than a table needs"), (["--out", " "], "--out is empty"),
-    (["--variant", "recl", "--m", "1000000000"], r"--m 1000000000 candidates per class: .* GiB, more than the"),
-    (["--variant", "recl", "--replay-batch", "100000000"], r"--replay-batch 100000000: .* GiB, more than the"),])
+    (["--seeds", "1000000000"], "more runs than a table needs"), (["--out", ""], "--out is empty"),
+    (["--lr-x", "1e300"], r"--lr-x 1e\+300 is above 1000"), (["--lr-lambda", "2000"], "--lr-lambda 2000 is above"),
+    (["--m", "1000000000"], r"--m 1000000000 candidates per class: .* GiB, more than the"),  # the method alone first
+    (["--replay-batch", "100000000"], r"--replay-batch 100000000: .* GiB, more than the"),])
 def test_bad_cli_values_are_rejected_with_a_reason_before_anything_trains(argv, words, monkeypatch, tmp_path):
     monkeypatch.setattr(recl, "run_continual", lambda *a, **k: pytest.fail("it trained"))
     (tmp_path / "FILE").write_text("")
@@ -1149,6 +1153,10 @@ def test_main_writes_one_json_per_run_named_by_its_config_never_shared_between_s
                   ["--variant", "recl", "--n-rec", "2", "--paper"]):
         cli.main(common + flags)
     assert len(list((tmp_path / "four").glob("*.json"))) == 4
+    done = lambda: {p.name: p.stat().st_mtime_ns for p in (tmp_path / "four").glob("*.json")}
+    before = done()
+    cli.main(common + ["--variant", "base", "--skip-done"])  # run_all's lines: a run with a result is not run again
+    assert done() == before and "finetune cil seed 0: done before, skipped" in capsys.readouterr().out
     table = experiments.aggregate(tmp_path / "four", QUIET)
     rows = [line for line in table.splitlines() if line.startswith("| finetune")]
     assert len(rows) == 4 and all("| 1 |" in row for row in rows)  # four rows of one seed, none averaged
@@ -1184,7 +1192,7 @@ def test_bad_cli_input_and_a_diverged_run_exit_nonzero_in_one_line_and_are_never
     assert "| finetune | 1 | 60.00 |" in table  # the diverged seed is not in the mean; one seed has no std
     assert f"Diverged, not averaged: finetune [{record['digest']}] seed 0 (training loss" in table
 
-def test_run_all_gives_each_run_only_the_flags_it_uses():
+def test_run_all_gives_each_run_only_the_flags_it_uses(monkeypatch):
     assert cli.without_flags(["--no-backtrack", "--seeds", "3", "--backtrack"], cli.RECL_FLAGS) == ["--seeds", "3"]
     assert cli.without_flags(["--epochs", "3", "--n-rec", "50", "--no-filter", "--paper",
                                  "--rec-precision=bfloat16", "--lr", "0.1", "--m", "7"], cli.RECL_FLAGS) == \
@@ -1197,6 +1205,12 @@ def test_run_all_gives_each_run_only_the_flags_it_uses():
                        for words in ("--scenario dil", "--method joint", "--scenario cil"))
     assert experiments.pending_runs([dil, joint, cil]) == ["python recl.py --scenario dil --quiet --out /nonexistent",
         "python recl.py --method joint --quiet --out /nonexistent", cil]
+    local = "python recl.py --variant base --ce-scope local --skip-done --out /nonexistent"  # needs replayed rows
+    for line in (local, local.replace(" local", "=local")):
+        assert experiments.pending_runs([line]) == ["python recl.py --variant base --skip-done --out /nonexistent"]
+    monkeypatch.setattr(data, "load", lambda *a: (_ for _ in ()).throw(data.DataError("not here")))
+    with pytest.raises(cli.UsageError, match=r"no dataset asked for can be loaded \(cifar10; why above\): nothing was"):
+        experiments.pending_runs(["python recl.py --dataset cifar10 --out /nonexistent"], QUIET)  # no other table
 
 # ==== 8. The experiment machinery: experiments.py, run_all.sh ===============================================
 
@@ -1352,7 +1366,8 @@ def test_run_all_knobs_quick_runs_and_interrupts_and_queue_workers_claim_each_ru
                          ({"DATASETS": "imagenet"}, "imagenet is not one of"),
                          ({"SCENARIOS": "til"}, "til is not one of"), ({"SWEEP": "m"}, "SWEEP needs a flag"),
                          ({"QUICK": "true"}, "QUICK must be 0 or 1"), ({"DRY_RUN": "yes"}, "DRY_RUN must be 0 or 1"),
-                         ({"DEVICES": "0 x"}, "DEVICES must list"), ({"TUNE": "1", "SWEEP": "m 10"}, "no SWEEP")):
+                         ({"DEVICES": "0 x"}, "DEVICES must list"), ({"TUNE": "1", "SWEEP": "m 10"}, "no SWEEP"),
+                         ({"DEVICES": "0 1"}, "more than JOBS=1 workers use"), ({"DEVICES": "0"}, "only lists runs")):
         real = "METHODS" in knobs or "DATASETS" in knobs  # the lists come from the code itself
         result, _ = run_all_dry(tmp_path, python=sys.executable if real else knowing_python(tmp_path), **knobs)
         assert result.returncode == 2 and result.stderr.count("\n") == 1 and words in result.stderr, knobs
@@ -1420,10 +1435,15 @@ def test_your_pt_counts_by_its_contents_and_run_all_checks_every_flag_before_any
     assert name("x.pt") == name("./x.pt") == name(str(folder / "x.pt"))  # one file by any path: one row
     torch.save({**OWN, "x_train": torch.rand(60, 12)}, folder / "changed.pt")
     assert name("changed.pt").replace("changed", "x") != name("x.pt")  # other data: another config
+    for sha, key in (("ab" * 32, "11111111"), ("cd" * 32, "22222222")):  # two rows told apart by their data
+        cli.write_json_atomically(folder / "table" / f"{key}.json", {**fake_record("finetune", "base", 0, 50.0, -1),
+                                                                      "digest": key, "dataset_sha256": sha})
+    assert re.search(r"differs from \[\d+\] in: dataset_sha256 (ab|cd){6}\n", experiments.aggregate(folder / "table", QUIET))
     result, lines = own  # a relative path from where you are; stdout holds the runnable commands only
     assert result.returncode == 0 and f"--dataset {folder}/x.pt" in lines[0] and "1 run to do" in result.stderr
+    assert f"--out {folder}/elsewhere/out --quiet --skip-done" in lines[0]  # RESULTS too is read from where you are
     assert result.stdout.splitlines() == lines and all(line == line.rstrip() for line in lines)
-    assert local[0].returncode == 0 and ["--ce-scope" in line for line in local[1]] == [False, True]
+    assert local[0].returncode == 0 and ["--ce-scope=local" in line for line in local[1]] == [False, True]
     for (result, lines), words in zip(refused, ("the file missing.pt does not exist", "unrecognized arguments: --bogus",
                                                 "--m must be a positive", "is a file")):  # in one line, nothing run
         assert result.returncode == 2 and result.stderr.count("\n") == 1 and words in result.stderr and not lines
