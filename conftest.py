@@ -184,6 +184,17 @@ def fake_record(method, variant, seed, acc, bwt, scenario="cil", **settings):
             "phase_seconds": {"reconstruct": 0.0}, "config": dataclasses.asdict(cfg), "digest": config.digest(cfg)}
 
 
+def OFFLINE(root=None, **kwargs):
+    """A download without a network, as torchvision's fails: it makes its folders first."""
+    if root is not None:
+        (Path(root) / "raw").mkdir(parents=True)
+    raise OSError("no network")
+
+
+GOOD_PT = {"x_train": torch.rand(4, 3), "y_train": torch.arange(4), "x_test": torch.rand(4, 3), "y_test": torch.arange(4)}
+from_pt = lambda path: data.make_tasks(str(path), 0, n_per_class=1)  # a .pt's tasks, one image per class
+
+
 def write_idx(folder, n_train, n_test, g):
     """MNIST's four IDX files (random images, labels 0-9 in turn) in `folder`."""
     folder.mkdir(parents=True)
@@ -197,6 +208,7 @@ def write_idx(folder, n_train, n_test, g):
 def knowing_python(folder, then=f'exec {sys.executable} "$@"'):
     """A stand-in for python that names the methods and datasets as run_all.sh asks (`python -c ...`)
     without importing torch, and does `then` with anything else."""
+    folder.mkdir(parents=True, exist_ok=True)
     fake = folder / "knowing-python"
     fake.write_text(f'#!/bin/bash\nif [ "$1" = -c ]; then echo "{",".join(config.METHODS)} {",".join(data.DATASETS)}"; '
                     f'exit 0; fi\n{then}\n')

@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,10 +33,11 @@ import judging
 import models
 import recl
 import strategies
-from conftest import (HERE, ONE_THREAD, OWN, QUIET, displaced, fake_record, finished_run_flags, in_background,
-                      initial_candidates, knowing_python, loss_terms, nearest_cosine, resolved, run_all_dry,
-                      run_all_dry_runs, run_all_own_data_and_bad_flags, run_all_then_the_same_list_through_xargs,
-                      run_config, small_batch_norm_net, step1, synthetic_tasks, train, with_loss, write_idx)
+from conftest import (GOOD_PT, HERE, OFFLINE, ONE_THREAD, OWN, QUIET, displaced, fake_record, finished_run_flags,
+                      from_pt, in_background, initial_candidates, knowing_python, loss_terms, nearest_cosine, resolved,
+                      run_all_dry, run_all_dry_runs, run_all_own_data_and_bad_flags,
+                      run_all_then_the_same_list_through_xargs, run_config, small_batch_norm_net, step1,
+                      synthetic_tasks, train, with_loss, write_idx)
 
 # ==== 1. The math, each test a small proof: Eq. 3-6, margins, smooth ReLU, targets, labels, ACC, BWT ========
 
@@ -220,8 +220,7 @@ def test_reconstruction_recovers_data_fits_displacements_and_hands_back_its_best
     step1(displaced(model), torch.tensor([0, 1]), (16,), run_config(n_rec=8), lines.append)
     assert [l.split(":")[0].strip() for l in lines] == ["step 2/8", "step 4/8", "step 6/8"]
     assert all("loss" in l for l in lines)  # and it prints its progress at each quarter
-    # `--lr-x 1000 --n-rec 5`: every reconstruction ends at a loss no higher than its first, and the run says so in its
-    # JSON, its summary line and the aggregate table
+    # `--lr-x 1000 --n-rec 5`: each reconstruction ends no higher than its first loss; JSON, summary and table say so
     cli.main(["--variant", "recl", "--lr-x", "1000", "--n-rec", "5", "--epochs", "1", "--n-per-class", "10",
                "--out", str(tmp_path), "--quiet", "--rec-precision", "float32"])
     record = json.loads(next(tmp_path.glob("*.json")).read_text())
@@ -841,15 +840,6 @@ def test_grown_heads_split_mnist_and_each_dataset_read_from_its_own_files_or_exp
     changed, changed_labels = data.load_mnist_subset(path)
     assert changed[:, 0, 0, 0].tolist() == [1] and changed_labels.tolist() == [0]
 
-def OFFLINE(root=None, **kwargs):
-    """A download without a network, as torchvision's fails: it makes its folders first."""
-    if root is not None:
-        (Path(root) / "raw").mkdir(parents=True)
-    raise OSError("no network")
-
-GOOD_PT = {"x_train": torch.rand(4, 3), "y_train": torch.arange(4), "x_test": torch.rand(4, 3), "y_test": torch.arange(4)}
-from_pt = lambda path: data.make_tasks(str(path), 0, n_per_class=1)
-
 @pytest.mark.parametrize("name, content, load, words", [  # content: bytes to write, else what torch.save writes
     ("nope.csv.gz", None, data.load_mnist_subset, "not found"),
     ("bad.csv.gz", b"this is not gzip", data.load_mnist_subset, "not a gzip CSV"),
@@ -1401,12 +1391,9 @@ def test_run_all_knobs_quick_runs_and_interrupts_and_queue_workers_claim_each_ru
     assert experiments.work_through_queue(tmp_path) is None  # everything claimed: a second worker does nothing
     with pytest.raises(cli.UsageError, match="no file"):
         experiments.work_through_queue(tmp_path / "queue")
-    # an interrupted run_all.sh stops its workers
-    # a stand-in for python whose queue workers announce themselves on a pipe and then only wait, so that nothing real
-    # runs
+    # an interrupted run_all.sh stops its workers: here stand-ins that announce themselves on a pipe, then only wait
     pipe = tmp_path / "workers"
     os.mkfifo(pipe)
-    (tmp_path / "interrupted").mkdir()
     fake = knowing_python(tmp_path / "interrupted", f'[ "$1 $2" = "experiments.py queue" ] && '
                           f'{{ echo $$ $CUDA_VISIBLE_DEVICES > {pipe}; exec sleep 600; }}\nexec {sys.executable} "$@"')
     env = {"PATH": "/usr/bin:/bin", "PYTHON": fake, "JOBS": "3", "SEEDS": "1", "METHODS": "finetune",
