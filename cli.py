@@ -194,6 +194,9 @@ def check(args, probe_out=True):
     for flag, most in MAX_STEP.items():
         if positive[flag] is not None and positive[flag] > most:
             raise UsageError(f"--{flag} {positive[flag]:g} is above {most:g}: the first step diverges or overflows")
+    for flag, most in MAX_COUNT.items():
+        if positive[flag] is not None and positive[flag] > most:
+            raise UsageError(f"--{flag} {positive[flag]} is more than {most:,}: far beyond what any run here uses")
     if not str(args.out).strip():
         raise UsageError("--out is empty; it must name a folder")
     if args.scenario == "dil" and args.classes_per_task == 1:
@@ -252,6 +255,7 @@ def check_writable(folder):
 
 MAX_SEED, MAX_SEEDS = 2 ** 31, 1000  # beyond them a seed overflows, a queue never ends
 MAX_STEP = {"lr": 10.0, "lr-x": 1000.0, "lr-lambda": 1000.0}  # step sizes beyond which a first step blows up
+MAX_COUNT = {"epochs": 10_000, "n-rec": 100_000, "trials": 1000}  # far beyond any study here, far short of forever
 
 
 def memory_available(device):
