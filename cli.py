@@ -33,6 +33,9 @@ class RunFailed(Exception):
 
 
 class Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):  # whole names only: run_all.sh reads flags by them (--ou is not --out)
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
     def error(self, message):  # one line instead of usage + message
         if "--variant: invalid choice: 'inversion'" in message:  # the tables call it a variant
             message += "; the inversion control is --variant recl --rec-objective inversion"
@@ -162,7 +165,8 @@ def make_parser(prog="recl.py", description=DESCRIPTION):
     p.add_argument("--out", default="results", help="folder for one JSON file per run (default: results)")
     p.add_argument("--quiet", action="store_true", help="print only one line per finished run")
     p.add_argument("--skip-done", action="store_true",
-                   help="skip a run whose result file exists (run_all's lists carry it, so a list can be rerun)")
+                   help="skip a run whose result file exists, diverged or not (run_all's lists carry it, so a list can "
+                        "be rerun; a change of code is not detected)")
     return p
 
 
@@ -193,7 +197,7 @@ def check(args, probe_out=True):
         raise UsageError(f"--seeds {args.seeds} is more than {MAX_SEEDS}, more runs than a table needs")
     for flag, most in MAX_STEP.items():
         if positive[flag] is not None and positive[flag] > most:
-            raise UsageError(f"--{flag} {positive[flag]:g} is above {most:g}: the first step diverges or overflows")
+            raise UsageError(f"--{flag} {positive[flag]:g} is above {most:g}, far beyond any step size that trains here")
     for flag, most in MAX_COUNT.items():
         if positive[flag] is not None and positive[flag] > most:
             raise UsageError(f"--{flag} {positive[flag]} is more than {most:,}: far beyond what any run here uses")
@@ -254,7 +258,7 @@ def check_writable(folder):
 
 
 MAX_SEED, MAX_SEEDS = 2 ** 31, 1000  # beyond them a seed overflows, a queue never ends
-MAX_STEP = {"lr": 10.0, "lr-x": 1000.0, "lr-lambda": 1000.0}  # step sizes beyond which a first step blows up
+MAX_STEP = {"lr": 10.0, "lr-x": 1000.0, "lr-lambda": 1000.0}  # sanity caps: far above what trains, below overflow
 MAX_COUNT = {"epochs": 10_000, "n-rec": 100_000, "trials": 1000}  # far beyond any study here, far short of forever
 
 

@@ -505,11 +505,11 @@ def tune(argv, log=None):
 # =============================================================================
 # Three measurements, printed as tables and written as one JSON file:
 # 1. the machine's practical peak: GFLOP/s of a plain 2000 x 2000 matrix
-#    product, in float32 and in bfloat16;
+#    product, in float32 and in bfloat16 (where the machine has instructions for it);
 # 2. one reconstruction step (the losses of Eq. 3-5 and their backward, what
 #    recl.reconstruct repeats n_rec times) for the MLP on MNIST-shaped input and
 #    the CNN on CIFAR10-shaped input, at m = 200 and 800 candidates, in float32
-#    and under bfloat16 autocast: seconds, the floating-point work of its matrix
+#    and (as above) under bfloat16 autocast: seconds, the floating-point work of its matrix
 #    products and convolutions (forward, backward and double backward, by
 #    torch.utils.flop_counter's formulas), and the rate achieved;
 # 3. end to end: `python recl.py --scenario cil --method finetune` (SplitMNIST,
@@ -687,7 +687,8 @@ def benchmark(argv):
     print(f"device {machine['device']}, {machine['threads']} threads, torch {machine['torch']}", flush=True)
 
     # bfloat16 only where it has instructions: a CPU without them emulates it, about a hundred times slower
-    half = device.type == "cuda" or config.reconstruction_precision("auto", device) == "bfloat16"
+    half = (torch.cuda.is_bf16_supported() if device.type == "cuda"
+            else config.reconstruction_precision("auto", device) == "bfloat16")
     peak, peak_bf16 = matmul_peak(device), matmul_peak(device, torch.bfloat16) if half else None
     print(f"matrix product {peak['size']}x{peak['size']}: {peak['gflops']:.0f} GFLOP/s in float32, " + (
         f"{peak_bf16['gflops']:.0f} in bfloat16" if half else "bfloat16 not timed (no instructions for it)"), flush=True)

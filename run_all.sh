@@ -55,8 +55,8 @@ METHODS=${METHODS:-$ALL_METHODS}
 VARIANTS=${VARIANTS:-base recl inversion}  # inversion: ReCL's pipeline with the model-inversion control
 SEEDS_GIVEN=${SEEDS:-}
 SEEDS=${SEEDS:-5}
-JOBS=${JOBS:-1}
 read -r -a DEVICE_LIST <<< "${DEVICES:-}"
+JOBS=${JOBS:-$(( ${#DEVICE_LIST[@]} > 1 ? ${#DEVICE_LIST[@]} : 1 ))}  # one worker per GPU listed, unless given
 TUNE=${TUNE:-0}
 DATA_ROOT=${DATA_ROOT:-data}
 EXTRA=("$@")
@@ -109,9 +109,9 @@ if [ -n "$SWEEP_FLAG" ] && [ ${#SWEEP_VALUES[@]} -eq 0 ]; then
   echo "run_all: SWEEP needs a flag and its values, like SWEEP=\"m 10 25\"" >&2
   exit 2
 fi
-folders() {  # "folder extra-flag value" per sweep point; just RESULTS without a sweep
+folders() {  # "folder<TAB>extra-flag value" per sweep point (a folder may hold spaces); just RESULTS without a sweep
   if [ -z "$SWEEP_FLAG" ]; then echo "$RESULTS"; return; fi
-  for value in "${SWEEP_VALUES[@]}"; do echo "$RESULTS/$SWEEP_FLAG-$value --$SWEEP_FLAG $value"; done
+  for value in "${SWEEP_VALUES[@]}"; do printf '%s\t%s\n' "$RESULTS/$SWEEP_FLAG-$value" "--$SWEEP_FLAG $value"; done
 }
 # Share the cores between parallel runs instead of oversubscribing them; a thread
 # count set by the caller wins (two run_all.sh side by side: OMP_NUM_THREADS=1 each).
@@ -130,7 +130,7 @@ every_run() {  # one shell command per run, finished or not
           echo
           continue
         fi
-        while read -r out point; do
+        while IFS=$'\t' read -r out point; do
           for variant in $VARIANTS; do
             [ "$method" = joint ] && [ "$variant" != base ] && continue  # the bound has no +ReCL
             flags=(--variant "$variant")
@@ -194,7 +194,7 @@ echo "run_all: finished in $(( $(date +%s) - start ))s"
 if [ -z "$SWEEP_FLAG" ]; then
   "$PYTHON" experiments.py aggregate "$RESULTS" | tee "$RESULTS/table.md"
 else
-  while read -r out point; do
+  while IFS=$'\t' read -r out point; do
     echo "## $point"; echo; "$PYTHON" experiments.py aggregate "$out"; echo
   done < <(folders) | tee "$RESULTS/table-$SWEEP_FLAG.md"
 fi

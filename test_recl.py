@@ -7,12 +7,14 @@ import ast
 import copy
 import dataclasses
 import gzip
+import hashlib
 import itertools
 import json
 import math
 import os
 import pickle
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -48,8 +50,7 @@ def test_eq3_sums_smooth_relu_targets_inversion_and_ce_weight_margins_candidate_
     (g,) = torch.autograd.grad(out.sum(), z, create_graph=True)
     s = torch.sigmoid(10.0 * z.detach())
     torch.testing.assert_close(g, s)
-    # the backward is itself differentiable: its derivative is that of the sigmoid, which is what lets reconstruction
-    # differentiate through gradients
+    # the backward is differentiable too (its derivative is the sigmoid's): reconstruction differentiates through it
     (h,) = torch.autograd.grad(g.sum(), z)
     torch.testing.assert_close(h, 10.0 * s * (1 - s))
     # and torch.func's transforms, which the reconstruction uses, give the same
@@ -88,8 +89,7 @@ def test_eq3_sums_smooth_relu_targets_inversion_and_ce_weight_margins_candidate_
         for k in literal:
             literal[k] -= lam[i] * g_i[k] / 5
     assert all(v.abs().max() < 1e-6 for v in literal.values()) and all(v.abs().sum() > 0 for v in fast.values())
-    # subtracting the fixed candidates' share of Eq. 3's sum from the target once is exact: the loss and the gradients
-    # for the free candidates equal the full sum's
+    # taking the fixed candidates' share of Eq. 3's sum off the target once is exact: same loss, same free gradients
     target = {k: torch.randn_like(v) for k, v in params.items()}
     fixed = torch.tensor([True, True, False, True, False, False])
     free_x, free_lam = x[~fixed].clone().requires_grad_(), lam[~fixed].clone().requires_grad_()
@@ -113,8 +113,7 @@ def test_eq3_sums_smooth_relu_targets_inversion_and_ce_weight_margins_candidate_
     with pytest.raises(ValueError, match="initial weights"):
         step1(model, torch.tensor([0, 1]), (16,), run_config(n_rec=1, rec_target="displacement"))
     assert step1(model, torch.tensor([0, 1]), (16,), run_config(n_rec=1, rec_target="weights"))[2]["steps"] == 1
-    # the relative L_rec, what the log's "Eq. 3 leaves X% unexplained" reads: 100% when no combination is made (every
-    # lambda 0), 0% when the combination is the displacement itself
+    # the relative L_rec, the log's "Eq. 3 leaves X% unexplained": 100% with every lambda 0, 0% at the displacement
     torch.manual_seed(0)
     model = models.remember_start(models.MLP(4, 2, hidden=3))
     params = {k: v.detach() for k, v in model.named_parameters()}
@@ -174,8 +173,7 @@ def test_reconstruction_recovers_data_fits_displacements_and_hands_back_its_best
     for name, cfg in runs.items():
         found[name], _, report = step1(model, labels, (1, 28, 28), cfg)
         unexplained[name] = report["kept_terms"]["rec"] / report["first_terms"]["rec"]
-    # cosine similarity of each training image to its nearest reconstruction, against the same for random candidates
-    # (each threshold's measured margin: docs/test-margins.md)
+    # each training image's cosine to its nearest reconstruction, against random candidates' (docs/test-margins.md)
     similar = nearest_cosine(found["paper"], x)
     assert similar.mean() > 0.5 and similar.mean() > nearest_cosine(torch.randn(16, 1, 28, 28), x).mean() + 0.4
     assert unexplained["displacement"] < 0.1 < 0.5 < unexplained["paper"], unexplained
@@ -289,8 +287,7 @@ def test_the_papers_part_reads_only_its_settings_and_freeze_old_and_filter_keep_
     for name, (_, point, function, _) in recl.DEPARTURES.items():
         assert recl.extensions(dataclasses.replace(paper, **on[name])) == recl.Extensions(**{point: function}), name
     assert recl.extensions(dataclasses.replace(paper, variant="inversion")) == recl.Extensions(loss=recl.inversion_loss)
-    # --freeze-old: the classes reconstructed before keep those candidates and lambdas bit for bit, only the slots of
-    # the newest classes are optimised, from the usual noise start
+    # --freeze-old: earlier classes keep their candidates and lambdas bit for bit; the newest start from noise and move
     torch.manual_seed(0)
     model = displaced(models.remember_start(models.MLP(16, 4, hidden=8)))  # as if trained
     labels = recl.candidate_labels(4, 3, 2, "cil")  # classes 0-3, three candidates each
@@ -457,8 +454,7 @@ def test_the_strategies_math_gpm_ewc_lwf_agem_and_their_after_task_hooks():
     with torch.no_grad():
         model.head.weight[:2] *= 3
     assert strategies.lwf_loss(model, x, None, model(x), lwf).item() > 1e-4
-    # eWC's Fisher, the ER and A-GEM memories and GPM's bases, from a task's loader in batches, equal what the same
-    # formulas give on the task's tensors at once
+    # EWC's Fisher, the ER and A-GEM memories and GPM's bases from a loader's batches equal the formulas on all at once
     torch.manual_seed(0)
     model = models.MLP(12, 3, hidden=10, first_init_scale=1.0)
     x, y = torch.randn(150, 12), torch.randint(0, 3, (150,))
@@ -523,8 +519,7 @@ def test_the_loop_replays_passes_on_and_filters_reconstructions_and_joint_and_re
     cfg = run_config(replay_noise=0.5, epochs=1, batch_size=64, lr=0.0)
     train(nn.Sequential(nn.Flatten(), nn.Linear(64, 1)), new, y[:64], cfg, hooks)
     assert sorted(seen[0].flatten(1).tolist()) == sorted(new.flatten(1).tolist())
-    # departure 9: an epoch is one pass over the task's own images, and each batch of them gets replay_batch
-    # reconstructions drawn at random; without it the reconstructions are rows of the epoch like the task's own
+    # departure 9: each batch of the task's own images gets replay_batch random reconstructions; else they are rows
     torch.manual_seed(0)
     own, replayed = torch.randn(10, 1, 2, 2), 100 + torch.randn(30, 1, 2, 2)
     x, y, seen = torch.cat([own, replayed]), torch.cat([torch.zeros(10), torch.ones(30)]).long(), []
@@ -970,7 +965,7 @@ HP = lambda method, hp: ["--method", method, "--hp", hp]
     # extreme values, refused before torch sees them (issue 43): each once a traceback, a hang or a huge allocation
     (["--seed", "99999999999999999999"], "--seed plus --seeds at most"), (["--lr", "1e300"], "is above 10"),
     (["--seeds", "1000000000"], "more runs than a table needs"), (["--epochs", "20000"], "is more than 10,000"),
-    (["--lr-x", "1e300"], r"--lr-x 1e\+300 is above 1000"), (["--out", ""], "--out is empty"),
+    (["--lr-x", "1e300"], r"--lr-x 1e\+300 is above 1000"), (["--out", ""], "--out is empty"), (["--ou", "x"], "--ou"),
     (["--m", "1000000000"], r"--m 1000000000 candidates per class: .* GiB, more than the"),  # the method alone first
     (["--replay-batch", "100000000"], r"--replay-batch 100000000: .* GiB, more than the"),])
 def test_bad_cli_values_are_rejected_with_a_reason_before_anything_trains(argv, words, monkeypatch, tmp_path):
@@ -1357,7 +1352,7 @@ def test_run_all_knobs_quick_runs_and_interrupts_and_queue_workers_claim_each_ru
                          ({"SCENARIOS": "til"}, "til is not one of"), ({"SWEEP": "m"}, "SWEEP needs a flag"),
                          ({"QUICK": "true"}, "QUICK must be 0 or 1"), ({"DRY_RUN": "yes"}, "DRY_RUN must be 0 or 1"),
                          ({"DEVICES": "0 x"}, "DEVICES must list"), ({"TUNE": "1", "SWEEP": "m 10"}, "no SWEEP"),
-                         ({"DEVICES": "0 1"}, "more than JOBS=1 workers use"), ({"DEVICES": "0"}, "only lists runs")):
+                         ({"DEVICES": "0 1", "JOBS": "1"}, "more than JOBS=1 workers"), ({"DEVICES": "0"}, "only lists runs")):
         real = "METHODS" in knobs or "DATASETS" in knobs  # the lists come from the code itself
         result, _ = run_all_dry(tmp_path, python=sys.executable if real else knowing_python(tmp_path), **knobs)
         assert result.returncode == 2 and result.stderr.count("\n") == 1 and words in result.stderr, knobs
@@ -1422,15 +1417,20 @@ def test_your_pt_counts_by_its_contents_and_run_all_checks_every_flag_before_any
     assert name("x.pt") == name("./x.pt") == name(str(folder / "x.pt"))  # one file by any path: one row
     torch.save({**OWN, "x_train": torch.rand(60, 12)}, folder / "changed.pt")
     assert name("changed.pt").replace("changed", "x") != name("x.pt")  # other data: another config
+    cli.main(["--dataset", "x.pt", "--variant", "base", "--epochs", "1", "--classes-per-task", "3", "--n-per-class", "5",
+              "--out", "runs", "--quiet"])  # and its JSON records the contents' hash
+    sha256 = json.loads(next((folder / "runs").glob("*.json")).read_text())["dataset_sha256"]
+    assert sha256 == hashlib.sha256((folder / "x.pt").read_bytes()).hexdigest()
     for sha, key in (("ab" * 32, "11111111"), ("cd" * 32, "22222222")):  # two rows told apart by their data
         cli.write_json_atomically(folder / "table" / f"{key}.json", {**fake_record("finetune", "base", 0, 50.0, -1),
                                                                       "digest": key, "dataset_sha256": sha})
     assert re.search(r"differs from \[\d+\] in: dataset_sha256 (ab|cd){6}\n", experiments.aggregate(folder / "table", QUIET))
     result, lines = own  # a relative path from where you are; stdout holds the runnable commands only
     assert result.returncode == 0 and f"--dataset {folder}/x.pt" in lines[0] and "1 run to do" in result.stderr
-    assert f"--out {folder}/elsewhere/out --quiet --skip-done" in lines[0]  # RESULTS too is read from where you are
+    words = shlex.split(lines[0])  # RESULTS too is read from where you are, a space in it and all
+    assert words[words.index("--out") + 1] == f"{folder}/else where/out" and "--skip-done" in words
     assert result.stdout.splitlines() == lines and all(line == line.rstrip() for line in lines)
-    assert local[0].returncode == 0 and ["--ce-scope=local" in line for line in local[1]] == [False, True]
+    assert local[0].returncode == 0 and ["--ce-scope" in line for line in local[1]] == [False, True]
     for (result, lines), words in zip(refused, ("the file missing.pt does not exist", "unrecognized arguments: --bogus",
                                                 "--m must be a positive", "is a file")):  # in one line, nothing run
         assert result.returncode == 2 and result.stderr.count("\n") == 1 and words in result.stderr and not lines
