@@ -246,5 +246,5 @@ def describe(cfg):
     by = {}  # where each value that is not Config's default came from
     for k, source in cfg.set_by.items():
         by.setdefault(source, []).append(k)
-    text += " | set by " + "; ".join(f"{s}: {', '.join(ks)}" for s, ks in by.items()) + "; the rest Config's (the MLP's)"
-    return text + f" | config {digest(cfg)}"
+    by_source = "; ".join(f"{s}: {', '.join(ks)}" for s, ks in by.items())
+    return text + f" | set by {by_source}; the rest Config's defaults, set for the MLP | config {digest(cfg)}"

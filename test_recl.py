@@ -1013,8 +1013,8 @@ def test_each_run_resolves_the_rows_in_order_to_one_config_that_its_header_names
                   "rec_target displacement, freeze_old True, filter True, replay_noise 2.5, ce_weight 0.03, "
                   "rec_optimizer adam, replay_batch 64, backtrack False, budget recl, rec_precision ",
                   ", tuning naive | set by ", "network: cnn and alexnet: rec_optimizer, m, n_rec, replay_batch, ce_scope, ce_weight; "
-                  "method: ewc: lr, epochs, ewc_lambda; steps: adam: lr_x, lr_lambda; the rest Config's (the MLP's)",
-                  f"the rest Config's (the MLP's) | config {config.digest(cfg)}"]:
+                  "method: ewc: lr, epochs, ewc_lambda; steps: adam: lr_x, lr_lambda; the rest Config's defaults, set for the MLP",
+                  f"the rest Config's defaults, set for the MLP | config {config.digest(cfg)}"]:
         assert shown in header, shown
     # every +ReCL field that applies, in config.RECL_FIELDS' order, and none that does not (trials)
     places = [header.index(f" {k} ") for k in config.RECL_FIELDS if getattr(cfg, k) is not None]
