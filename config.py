@@ -113,7 +113,7 @@ ROWS = [
     ("steps: inversion dil", {"variant": "inversion", "scenario": "dil"}, {"lr_x": 0.3}),
     ("steps: weights", {"variant": "recl", "rec_target": "weights"}, {"lr_x": 1.0}),
     ("steps: adam", {"rec_optimizer": "adam"}, {"lr_x": 0.01, "lr_lambda": 0.01}),
-    ("steps: resnet18", {**strategies.RECL, "model": "resnet18", "rec_optimizer": "adam"}, {"lr_x": 1e-3}),
+    ("steps: resnet18", {"variant": RECL, "model": "resnet18", "rec_optimizer": "adam"}, {"lr_x": 1e-3}),  # --paper too
     ("control", {"variant": "inversion"}, CONTROL),
     ("search", {"tuning": ("unsup", "sup")}, {"trials": 10}),
 ]
