@@ -197,7 +197,7 @@ def check(args, probe_out=True):
         raise UsageError(f"--seeds {args.seeds} is more than {MAX_SEEDS}, more runs than a table needs")
     for flag, most in MAX_STEP.items():
         if positive[flag] is not None and positive[flag] > most:
-            raise UsageError(f"--{flag} {positive[flag]:g} is above {most:g}, far beyond any step size that trains here")
+            raise UsageError(f"--{flag} {positive[flag]:g} is above {most:g}, far beyond any step that trains here")
     for flag, most in MAX_COUNT.items():
         if positive[flag] is not None and positive[flag] > most:
             raise UsageError(f"--{flag} {positive[flag]} is more than {most:,}: far beyond what any run here uses")

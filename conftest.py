@@ -235,9 +235,10 @@ OWN = dict(x_train=torch.rand(60, 12), y_train=torch.arange(60) % 6, x_test=torc
 def run_all_own_data_and_bad_flags(folder):
     torch.save(OWN, folder / "x.pt")
     (folder / "else where").mkdir()  # a folder with a space, like many a user's
+    torch.save(OWN, folder / "else where" / "x.pt")
     run = lambda *args, **knobs: run_all_dry(folder / "else where", *args, METHODS="finetune", SEEDS="1", **knobs)
-    return lambda: [run("--classes-per-task", "3", "--n-per-class", "5", DATASETS="../x.pt", VARIANTS="base",
-                        RESULTS="out"), run("--ce-scope=local", VARIANTS="base recl"), run(DATASETS="missing.pt"), run("--bogus", "3"),
+    return lambda: [run("--classes-per-task", "3", "--n-per-class", "5", DATASETS="x.pt", VARIANTS="base", RESULTS="out"),
+                    run("--ce-scope=local", VARIANTS="base recl"), run(DATASETS="missing.pt"), run("--bogus", "3"),
                     run(SWEEP="m -1 abc"), run(RESULTS=str(folder / "x.pt"))]
 
 

@@ -687,7 +687,7 @@ def benchmark(argv):
     print(f"device {machine['device']}, {machine['threads']} threads, torch {machine['torch']}", flush=True)
 
     # bfloat16 only where it has instructions: a CPU without them emulates it, about a hundred times slower
-    half = (torch.cuda.is_bf16_supported() if device.type == "cuda"
+    half = (torch.cuda.get_device_capability(device)[0] >= 8 if device.type == "cuda"  # Ampere on: bfloat16 units
             else config.reconstruction_precision("auto", device) == "bfloat16")
     peak, peak_bf16 = matmul_peak(device), matmul_peak(device, torch.bfloat16) if half else None
     print(f"matrix product {peak['size']}x{peak['size']}: {peak['gflops']:.0f} GFLOP/s in float32, " + (

@@ -38,13 +38,11 @@ for dataset in ${DATASETS:-mnist}; do
     [ -f "$dataset" ] || refuse "DATASETS: the file $dataset does not exist (from $(pwd))"
     dataset=$(cd "$(dirname "$dataset")" && pwd)/$(basename "$dataset")
   fi
-  datasets+=("$dataset")
+  datasets+=("$dataset")  # an array: the path of your .pt may hold spaces
 done
-DATASETS="${datasets[*]}"
 cd "$(dirname "$0")"
 
 PYTHON=${PYTHON:-python}
-DATASETS=${DATASETS:-mnist}
 SCENARIOS=${SCENARIOS:-cil dil}
 # the methods and datasets the code knows (strategies.STRATEGIES, data.DATASETS)
 read -r ALL_METHODS ALL_DATASETS_LINE < <("$PYTHON" -c 'import config, data; print(",".join(config.METHODS), ",".join(data.DATASETS))') \
@@ -79,15 +77,17 @@ for knob in QUICK TUNE DRY_RUN; do
   [[ "${!knob:-0}" =~ ^[01]$ ]] || refuse "$knob must be 0 or 1, got \"${!knob}\""
 done
 [ "$TUNE" = 1 ] && [ -n "${SWEEP:-}" ] && refuse "TUNE=1 runs one search per method; it takes no SWEEP"
-[ ${#DEVICE_LIST[@]} -gt "$JOBS" ] && refuse "DEVICES lists ${#DEVICE_LIST[@]} GPUs, more than JOBS=$JOBS workers use: give JOBS=${#DEVICE_LIST[@]} or more"
-[ ${#DEVICE_LIST[@]} -gt 0 ] && [ "${DRY_RUN:-0}" = 1 ] && refuse "DEVICES places run_all's own workers; DRY_RUN=1 only lists runs (give each runner its CUDA_VISIBLE_DEVICES)"
+[ ${#DEVICE_LIST[@]} -gt "$JOBS" ] && refuse "DEVICES lists ${#DEVICE_LIST[@]} GPUs, more than JOBS=$JOBS workers use: \
+give JOBS=${#DEVICE_LIST[@]} or more, or leave JOBS unset"
+[ ${#DEVICE_LIST[@]} -gt 0 ] && [ "${DRY_RUN:-0}" = 1 ] && refuse "DEVICES places run_all's own workers; \
+DRY_RUN=1 only lists runs (give each runner its CUDA_VISIBLE_DEVICES)"
 for word in ${EXTRA[@]+"${EXTRA[@]}"}; do  # what run_all sets per run is a knob, not a flag
   case "${word%%=*}" in
     --out|--method|--variant|--scenario|--dataset|--seed|--seeds|--rec-objective|--data-root)
       refuse "${word%%=*} is run_all's to set per run: use RESULTS, METHODS, VARIANTS, SCENARIOS, DATASETS, SEEDS or DATA_ROOT";;
   esac
 done
-for dataset in $DATASETS; do
+for dataset in "${datasets[@]}"; do
   [[ "$dataset" == *.pt ]] || within DATASETS "$dataset" "$ALL_DATASETS"
 done
 # Runs with other settings get their own default folder (results/quick,
@@ -118,7 +118,7 @@ folders() {  # "folder<TAB>extra-flag value" per sweep point (a folder may hold 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / JOBS > 0 ? $(nproc) / JOBS : 1 ))}
 
 every_run() {  # one shell command per run, finished or not
-  for dataset in $DATASETS; do
+  for dataset in "${datasets[@]}"; do
     root=(--data-root "$DATA_ROOT")  # only the datasets that live in a data folder take it
     [ "$dataset" = mnist ] || [[ "$dataset" == *.pt ]] && root=()
     for scenario in $SCENARIOS; do
