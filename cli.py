@@ -262,6 +262,23 @@ MAX_STEP = {"lr": 10.0, "lr-x": 1000.0, "lr-lambda": 1000.0}  # sanity caps: far
 MAX_COUNT = {"epochs": 10_000, "n-rec": 100_000, "trials": 1000}  # far beyond any study here, far short of forever
 
 
+# Numbers held per input, as multiples of those its layers output: measured on the CNN, a reconstruction
+# step and a training step (docs/cost.md, "Memory"), rounded up.
+STEP_COPIES, TRAIN_COPIES = 4, 2
+
+
+def layer_outputs(net, shape):
+    """How many numbers the network's layers output for one input of `shape`."""
+    sizes = []
+    hooks = [m.register_forward_hook(lambda m, i, out: sizes.append(out.numel())) for m in net.modules()
+             if not list(m.children())]
+    with torch.no_grad():
+        net.eval()(torch.zeros(1, *shape))
+    for hook in hooks:
+        hook.remove()
+    return sum(sizes)
+
+
 def memory_available(device):
     """Bytes a run may fill: the GPU's free memory, or the machine's physical memory."""
     if device == "cuda":
@@ -272,18 +289,23 @@ def memory_available(device):
 def check_tasks(tasks, cfg):
     """What the data must give before the first task trains: a network that takes its images,
     and training and test images for every class of every task."""
+    shape = tasks[0].x_train.shape[1:]
     try:
-        models.build_model(cfg.model, tasks[0].x_train.shape[1:], len(tasks[0].classes))
+        net = models.build_model(cfg.model, shape, len(tasks[0].classes))
     except ValueError as err:
         raise UsageError(f"--model {cfg.model}: {err}") from None
-    if cfg.variant != "base":  # the largest tensors a run will hold, against the memory there is
-        numel, last = tasks[0].x_train[0].numel(), len(tasks[0].classes) * (len(tasks) - 1)
-        for what, rows in ((f"--m {cfg.m} candidates per class", cfg.m * last), (f"--replay-batch {cfg.replay_batch}",
-                                                                               cfg.replay_batch + cfg.batch_size)):
-            need, have = 4 * rows * numel, memory_available(cfg.device)
+    if cfg.variant != "base":  # the most a run will hold, against the memory there is (docs/cost.md, "Memory")
+        numel, per_task = shape.numel(), len(tasks[0].classes)
+        last, acts = per_task * (len(tasks) - 1), layer_outputs(net, shape)
+        in_step = cfg.m * (per_task if cfg.freeze_old else last)  # the candidates a step differentiates through
+        for what, rows, need in (
+                (f"--m {cfg.m} candidates per class", cfg.m * last, cfg.m * last * numel + in_step * STEP_COPIES * acts),
+                (f"--replay-batch {cfg.replay_batch}", cfg.replay_batch + cfg.batch_size,
+                 (cfg.replay_batch + cfg.batch_size) * (numel + TRAIN_COPIES * acts))):
+            need, have = 4 * need, memory_available(cfg.device)
             if need > have:
-                raise UsageError(f"{what}: {rows:,} images of {numel:,} numbers need {need / 2**30:,.1f} GiB, "
-                                 f"more than the {have / 2**30:,.1f} GiB of {cfg.device} memory")
+                raise UsageError(f"{what}: {rows:,} images of {numel:,} numbers and their activations need about "
+                                 f"{need / 2**30:,.1f} GiB, more than the {have / 2**30:,.1f} GiB of {cfg.device} memory")
     split = "validation" if cfg.validation else "test"
     for t, task in enumerate(tasks):
         for label, c in enumerate(task.classes):

@@ -675,8 +675,7 @@ def test_judging_scores_and_writes_its_files_and_the_search_keeps_the_defaults_u
     assert torch.equal(order[judging.nearest_candidates(reference, candidates)], torch.arange(10))
     scores, _ = judging.reconstruction_quality(reference, candidates, torch.zeros(1, 8, 8))
     assert (scores > 0.95).all()
-    # the quality ignores scale and offset but not content; a real-looking reference: smooth blobs around a shared
-    # mean image, as mean-subtracted data is
+    # the quality ignores scale and offset but not content; the reference: smooth blobs around a shared mean image
     torch.manual_seed(0)
     mean_image, reference = torch.rand(1, 12, 12), F.avg_pool2d(torch.randn(20, 1, 16, 16), 5, stride=1) * 2 - 0.1
     quality = lambda candidates: judging.reconstruction_quality(reference, candidates, mean_image)[0]
@@ -891,9 +890,8 @@ def test_cnn_runs_a_recl_task_gpm_projects_its_convolutions_and_resnet18_evaluat
     strategies.gpm_after_backward(model, state)
     assert state["bases"]["conv2"].shape[0] == 160 * 9
     assert (model.conv2.weight.grad.view(160, -1) @ state["bases"]["conv2"]).abs().max() < 1e-4
-    # batch norm evaluates with running statistics; after a short task they still hold much of their start (variance
-    # 1), and ResNet18 used to score chance on digits it had fitted. train_task re-estimates them, so evaluation
-    # agrees with training
+    # batch norm evaluates with running statistics, which after a short task still hold much of their start: ResNet18
+    # scored chance on digits it had fitted. train_task re-estimates them, so evaluation agrees with training
     tasks, _, _, _ = data.make_tasks("mnist", 0, 16, "dil", 2)
     x, y = F.avg_pool2d(tasks[0].x_train, 2), tasks[0].y_train
     torch.manual_seed(0)
@@ -967,9 +965,11 @@ HP = lambda method, hp: ["--method", method, "--hp", hp]
     (["--seeds", "1000000000"], "more runs than a table needs"), (["--epochs", "20000"], "is more than 10,000"),
     (["--lr-x", "1e300"], r"--lr-x 1e\+300 is above 1000"), (["--out", ""], "--out is empty"), (["--ou", "x"], "--ou"),
     (["--m", "1000000000"], r"--m 1000000000 candidates per class: .* GiB, more than the"),  # the method alone first
-    (["--replay-batch", "100000000"], r"--replay-batch 100000000: .* GiB, more than the"),])
+    (["--replay-batch", "100000000"], r"--replay-batch 100000000: .* GiB, more than the"),
+    (["--model", "cnn", "--m", "100"], "and their activations need about 0.2 GiB, more than the 0.1 GiB"),])
 def test_bad_cli_values_are_rejected_with_a_reason_before_anything_trains(argv, words, monkeypatch, tmp_path):
     monkeypatch.setattr(recl, "run_continual", lambda *a, **k: pytest.fail("it trained"))
+    monkeypatch.setattr(cli, "memory_available", lambda device: 2**27)  # 128 MiB, for the CNN's activations below
     (tmp_path / "FILE").write_text("")
     for name, y_test in (("FLAT.pt", torch.arange(8) % 4), ("NO_TEST.pt", torch.tensor([0, 1, 2, 0, 1, 2]))):
         torch.save({"x_train": torch.rand(40, 8), "y_train": torch.arange(40) % 4, "x_test": torch.rand(len(y_test), 8),
