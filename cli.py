@@ -272,10 +272,12 @@ def layer_outputs(net, shape):
     sizes = []
     hooks = [m.register_forward_hook(lambda m, i, out: sizes.append(out.numel())) for m in net.modules()
              if not list(m.children())]
-    with torch.no_grad():
-        net.eval()(torch.zeros(1, *shape))
-    for hook in hooks:
-        hook.remove()
+    try:
+        with torch.no_grad():
+            net.eval()(torch.zeros(1, *shape))
+    finally:
+        for hook in hooks:
+            hook.remove()
     return sum(sizes)
 
 
@@ -297,15 +299,19 @@ def check_tasks(tasks, cfg):
     if cfg.variant != "base":  # the most a run will hold, against the memory there is (docs/cost.md, "Memory")
         numel, per_task = shape.numel(), len(tasks[0].classes)
         last, acts = per_task * (len(tasks) - 1), layer_outputs(net, shape)
-        in_step = cfg.m * (per_task if cfg.freeze_old else last)  # the candidates a step differentiates through
-        for what, rows, need in (
-                (f"--m {cfg.m} candidates per class", cfg.m * last, cfg.m * last * numel + in_step * STEP_COPIES * acts),
-                (f"--replay-batch {cfg.replay_batch}", cfg.replay_batch + cfg.batch_size,
-                 (cfg.replay_batch + cfg.batch_size) * (numel + TRAIN_COPIES * acts))):
+        # the most candidates one backward pass goes through: with --freeze-old, each step the newest classes' and,
+        # once before the steps, the kept ones'; without it, all of them each step
+        in_pass = cfg.m * (max(per_task, last - per_task) if cfg.freeze_old else last)
+        batch = cfg.replay_batch + cfg.batch_size
+        for what, rows, need in ((f"--m {cfg.m} candidates per class", cfg.m * last,
+                                  cfg.m * last * numel + in_pass * STEP_COPIES * acts),
+                                 (f"--replay-batch {cfg.replay_batch} with --batch-size {cfg.batch_size}", batch,
+                                  batch * (numel + TRAIN_COPIES * acts))):
             need, have = 4 * need, memory_available(cfg.device)
             if need > have:
                 raise UsageError(f"{what}: {rows:,} images of {numel:,} numbers and their activations need about "
-                                 f"{need / 2**30:,.1f} GiB, more than the {have / 2**30:,.1f} GiB of {cfg.device} memory")
+                                 f"{need / 2**30:,.1f} GiB, more than the {have / 2**30:,.1f} GiB of {cfg.device} "
+                                 "memory")
     split = "validation" if cfg.validation else "test"
     for t, task in enumerate(tasks):
         for label, c in enumerate(task.classes):

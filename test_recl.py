@@ -965,8 +965,8 @@ HP = lambda method, hp: ["--method", method, "--hp", hp]
     (["--seeds", "1000000000"], "more runs than a table needs"), (["--epochs", "20000"], "is more than 10,000"),
     (["--lr-x", "1e300"], r"--lr-x 1e\+300 is above 1000"), (["--out", ""], "--out is empty"), (["--ou", "x"], "--ou"),
     (["--m", "1000000000"], r"--m 1000000000 candidates per class: .* GiB, more than the"),  # the method alone first
-    (["--replay-batch", "100000000"], r"--replay-batch 100000000: .* GiB, more than the"),
-    (["--model", "cnn", "--m", "100"], "and their activations need about 0.2 GiB, more than the 0.1 GiB"),])
+    (["--replay-batch", "100000000"], r"--replay-batch 100000000 with --batch-size 64: .* GiB, more than"),
+    (["--model", "cnn", "--m", "100"], "and their activations need about 0.6 GiB, more than the 0.1 GiB"),])
 def test_bad_cli_values_are_rejected_with_a_reason_before_anything_trains(argv, words, monkeypatch, tmp_path):
     monkeypatch.setattr(recl, "run_continual", lambda *a, **k: pytest.fail("it trained"))
     monkeypatch.setattr(cli, "memory_available", lambda device: 2**27)  # 128 MiB, for the CNN's activations below
