@@ -289,8 +289,8 @@ def memory_available(device):
 
 
 def check_tasks(tasks, cfg):
-    """What the data must give before the first task trains: a network that takes its images,
-    and training and test images for every class of every task."""
+    """What must hold before the first task trains: a network that takes the data's images, the
+    memory the run will fill, and training and test images for every class of every task."""
     shape = tasks[0].x_train.shape[1:]
     try:
         net = models.build_model(cfg.model, shape, len(tasks[0].classes))

@@ -107,13 +107,13 @@ ROWS = [
      {"rec_target": "weights", "freeze_old": False, "filter": False, "replay_noise": 0.0, "ce_weight": 0.0,
       "rec_optimizer": "sgd", "replay_batch": 0, "ce_scope": "all", "backtrack": False, "budget": "alone"}),
     "methods",  # "method: NAME", each method's rows from strategies.py, in their order
-    # The candidates' step size goes with what they minimise and how: inversion's summed CE,
-    # Eq. 3 on the weights, Adam (each pixel moves about lr_x a step); docs/departures.md, 1 and 6.
+    # The candidates' step size goes with what they minimise and how, under --paper too: inversion's
+    # summed CE, Eq. 3 on the weights, Adam (each pixel moves about lr_x a step); docs/departures.md, 1, 6.
     ("steps: inversion", {"variant": "inversion"}, {"lr_x": 0.003}),
     ("steps: inversion dil", {"variant": "inversion", "scenario": "dil"}, {"lr_x": 0.3}),
     ("steps: weights", {"variant": "recl", "rec_target": "weights"}, {"lr_x": 1.0}),
     ("steps: adam", {"rec_optimizer": "adam"}, {"lr_x": 0.01, "lr_lambda": 0.01}),
-    ("steps: resnet18", {"variant": RECL, "model": "resnet18", "rec_optimizer": "adam"}, {"lr_x": 1e-3}),  # --paper too
+    ("steps: resnet18", {"variant": RECL, "model": "resnet18", "rec_optimizer": "adam"}, {"lr_x": 1e-3}),
     ("control", {"variant": "inversion"}, CONTROL),
     ("search", {"tuning": ("unsup", "sup")}, {"trials": 10}),
 ]

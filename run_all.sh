@@ -21,7 +21,7 @@
 # from what finished, and run_all.sh exits non-zero.
 # Without RESULTS=..., QUICK=1 and extra arguments choose their own folder.
 # Datasets that cannot be loaded (say, CIFAR10 on a machine without internet)
-# are skipped with one line saying why.
+# are skipped with one line saying why; if none can, nothing runs (exit 2).
 # Knobs: DATASETS SCENARIOS METHODS VARIANTS SEEDS JOBS DEVICES RESULTS DATA_ROOT QUICK TUNE SWEEP PYTHON DRY_RUN.
 # DEVICES="0 1": worker j runs on GPU DEVICES[j mod n] (CUDA_VISIBLE_DEVICES); each JSON names its device.
 # DRY_RUN=1 prints one runnable command per line on stdout (the count goes to stderr), for xargs -P,
