@@ -1,114 +1,134 @@
-"""What one run is: every default written once, the rows that change them, and `resolve`.
+"""What one run is, and the command line that asks for it.
 
-A run is one `Config`; its fields' defaults are the MLP's +ReCL run on SplitMNIST in
-CIL. Rows change them for a network, a method (its rows sit with it in strategies.py),
-`--paper` and the inversion control; the flags given win over every row. `resolve` does
-that once, before anything trains. A config's digest names its result file, so runs that
-differ in any setting never share a file or a table row. (Adding a method or a
-departure: README.md.)
+Every setting is one field of `Config`, written once: its default (the MLP's +ReCL run on
+SplitMNIST in CIL), its help and its valid range. The flags and their range checks are
+made from the fields in one loop (`make_parser`, `check`). A few named rows change the
+defaults for a network, a method (its rows sit with it in strategies.py), `--paper` and
+the inversion control; `resolve` applies them once, before anything trains, and a flag
+given wins over every row. A run's digest names its result file, so runs that differ in
+any setting never share a file or a table row.
 """
+import argparse
 import dataclasses
 import functools
 import hashlib
 import json
+import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
 
+import data
+import models
 import strategies
 
 METHODS = list(strategies.STRATEGIES)
-VARIANTS = ["base", "recl", "inversion"]  # the method alone, +ReCL, +ReCL's pipeline with the inversion control
-RECL = strategies.RECL["variant"]         # the variants that reconstruct
+RECL = strategies.RECL["variant"]  # the variants that reconstruct: +ReCL, and its pipeline with the inversion control
+
+
+def setting(default, help, low=None, high=None, above=None, choices=None, kind=None, flag=True):
+    """A Config field: its default, its help, and what a flag may give it (low <= v, above < v, v <= high)."""
+    return dataclasses.field(default=default, metadata=dict(help=help, low=low, high=high, above=above,
+                                                            choices=choices, kind=kind, flag=flag))
+
+
+def per_class(text):
+    return text if text == "all" else int(text)
+
+
+POSITIVE = dict(above=0)
+COUNT = dict(above=0, high=100_000)  # far beyond any study here, far short of forever
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Every value one run uses; the +ReCL fields are None for the method alone, and those of
-    Eq. 3-5 for the inversion control: they do not apply."""
+    """Every value one run uses. The fields from `m` to `trials` are the +ReCL variant's: None for
+    the method alone, and those of Eq. 3-5 None for the inversion control, which does not use them."""
     # what runs
-    dataset: str = "mnist"                 # mnist (shipped), mnist-full, fashion-mnist, cifar10, tinyimagenet, a .pt
-    scenario: str = "cil"                  # class- or domain-incremental
-    method: str = "finetune"
-    variant: str = "base"                  # base, recl or inversion
-    model: str = "mlp"
-    seed: int = 0                          # class order, init and shuffles
+    dataset: str = setting("mnist", "mnist (shipped), mnist-full, fashion-mnist, cifar10, tinyimagenet, or a .pt")
+    scenario: str = setting("cil", "class-incremental (a growing head) or domain-incremental (one head)",
+                            choices=["cil", "dil"])
+    method: str = setting("finetune", "the continual-learning method", choices=METHODS)
+    variant: str = setting("base", "base, recl or inversion", flag=False)  # the flag is --variant, below
+    model: str = setting("mlp", "the paper's MLP or CNN, or the non-homogeneous AlexNet or ResNet18",
+                         choices=models.MODELS)
+    seed: int = setting(0, "first seed: class order, init and shuffles", low=0)
     # data
-    n_per_class: int | None = 100          # training images per class; None: all
-    classes_per_task: int = 2
-    validation: bool = False               # score on held-out training images, not the test set
-    data_root: str = "data"                # where the datasets that are not shipped live
+    n_per_class: int | None = setting(100, "training images per class, or 'all'", kind=per_class, **POSITIVE)
+    classes_per_task: int = setting(2, "classes per task", **POSITIVE)
+    validation: bool = setting(False, "score on 20%% of each task's training images, held out, not the test set")
+    data_root: str = setting("data", "where mnist-full, fashion-mnist, cifar10 and tinyimagenet live")
     # training (Step 2)
-    lr: float = 0.05                       # SGD, for a method whose rows do not tune it
-    epochs: int = 20
-    batch_size: int = 64
-    ce_scope: str = "all"                  # departure 8: "new" or "local"
-    hp: dict = dataclasses.field(default_factory=dict)  # the method's own hyperparameters (strategies.py)
-    # reconstruction (Step 1) and replay
-    m: int | None = None                   # candidates per old class; None: as many as training images per class
-    n_rec: int | None = 100                # reconstruction steps before each task
-    sigma_x: float | None = 1e-3           # std of the initial candidates
-    lr_x: float | None = 3.0               # the candidates' step size, for the relative L_rec of departure 1
-    lr_lambda: float | None = 0.1          # the lambdas' step size
-    lambda_min: float | None = 0.05        # Eq. 4 pushes each lambda_i above this
-    alpha: float | None = 100.0            # sharpness of the smooth ReLU's backward
-    rec_target: str | None = "displacement"  # departure 1; "weights": Eq. 3 as written
-    freeze_old: bool | None = True         # departure 2
-    filter: bool | None = True             # departure 3
-    replay_noise: float | None = 2.5       # departure 4, in pixel stds of the task
-    ce_weight: float | None = 3e-4         # departure 5
-    rec_optimizer: str | None = "sgd"      # departure 6: "adam"
-    replay_batch: int | None = 0           # departure 9: 0 joins the reconstructions to the task's data
-    backtrack: bool | None = False         # departure 11
-    budget: str | None = "recl"            # lr, epochs, hp: the method's +ReCL rows ("recl") or its own ("alone")
-    rec_precision: str | None = "auto"     # the reconstruction's number format; auto: bfloat16 where the CPU has it
-    tuning: str | None = "naive"           # Sec. 4.3: the run's values, or a search (unsup, sup)
-    trials: int | None = None              # the search's trials per task
-    paper: bool = False                    # --paper: every departure off
+    lr: float = setting(0.05, "SGD learning rate", above=0, high=10.0)
+    epochs: int = setting(20, "epochs per task", above=0, high=10_000)
+    batch_size: int = setting(64, "training batch size", **POSITIVE)
+    ce_scope: str = setting("all", "CIL, departure 8: the task's own images scored over all classes, over its new "
+                            "classes only (new), or also the replayed ones over the old only (local)",
+                            choices=["all", "new", "local"])
+    hp: dict = dataclasses.field(default_factory=dict)  # the method's own hyperparameters (strategies.py), by --hp
+    # reconstruction (Step 1) and replay: the +ReCL variant only
+    m: int | None = setting(None, "candidates per old class (in DIL per class and old task); "
+                            "default: as many as training images per class", kind=int, **COUNT)
+    n_rec: int | None = setting(100, "reconstruction steps before each task", **COUNT)
+    sigma_x: float | None = setting(1e-3, "std of the initial random candidates", **POSITIVE)
+    lr_x: float | None = setting(3.0, "step size of the candidates", above=0, high=1000.0)
+    lr_lambda: float | None = setting(0.1, "step size of the lambdas", above=0, high=1000.0)
+    lambda_min: float | None = setting(0.05, "Eq. 4 pushes each lambda_i above this", **POSITIVE)
+    alpha: float | None = setting(100.0, "sharpness of the smooth ReLU's backward", **POSITIVE)
+    rec_target: str | None = setting("displacement", "departure 1: what Eq. 3 fits, theta - theta_0 or theta "
+                                     "as written (weights)", choices=["weights", "displacement"])
+    freeze_old: bool | None = setting(True, "departure 2: classes reconstructed before keep their candidates")
+    filter: bool | None = setting(True, "departure 3: replay only candidates the model files under their label")
+    replay_noise: float | None = setting(2.5, "departure 4: std of fresh noise on replayed rows, in pixel stds",
+                                         low=0)
+    ce_weight: float | None = setting(3e-4, "departure 5: weight of inversion's cross-entropy added to Eq. 6", low=0)
+    rec_optimizer: str | None = setting("sgd", "departure 6: the candidates' optimiser", choices=["sgd", "adam"])
+    replay_batch: int | None = setting(0, "departure 9: reconstructions drawn into each batch of the task's "
+                                       "own images; 0: they join the task's data", low=0, high=100_000)
+    backtrack: bool | None = setting(False, "departure 11: undo a step that raised L_full, halve the step sizes")
+    budget: str | None = setting("recl", "lr, epochs and hp from the method's +ReCL rows, or its own", flag=False)
+    rec_precision: str | None = setting("float32", "number format of the reconstruction's products",
+                                        choices=["float32", "bfloat16"])
+    tuning: str | None = setting("naive", "Sec. 4.3: the run's values, or a search per task scored by the final "
+                                 "L_full (unsup) or by SSIM to a few stored real images (sup)",
+                                 choices=["naive", "unsup", "sup"])
+    trials: int | None = setting(None, "the search's trials per task (default: 10)", kind=int, above=0, high=1000)
+    paper: bool = setting(False, "the paper as written: every departure off, the method's own training budget")
     # where
-    device: str = "auto"                   # auto: CUDA when present
+    device: str = setting("auto", "auto: CUDA when present", choices=["auto", "cpu", "cuda"])
     set_by: dict = dataclasses.field(default_factory=dict)  # each value not a default: "flag" or its row's name
 
 
 FIELDS = [f.name for f in dataclasses.fields(Config)]
 RECL_FIELDS = FIELDS[FIELDS.index("m"):FIELDS.index("paper")]  # what the method alone does not use
-CLASH = {k for spec in strategies.STRATEGIES.values() for k in spec["hyperparameters"]} & set(FIELDS)
-if CLASH:  # a method's hyperparameters share the values `resolve` fills: their names must differ
-    raise ImportError(f"strategies.py: hyperparameter(s) {sorted(CLASH)} share a name with a Config field")
+CONTROL = {"lr_lambda": None, "lambda_min": None, "rec_target": None, "ce_weight": None}  # no Eq. 3-4, no term
 
 # =============================================================================
-# The rows: (name, when, what changes), lowest first
+# The rows: (name, when, what changes), read in this order
 # =============================================================================
-# A row applies when each field it names in `when` has that value (or one of a
-# tuple) among the values so far; `resolve` reads them in this order. Its name
-# starts with its group. Every value was chosen on validation splits, never the
-# test set; each comment points to the numbers.
-CONTROL = {"lr_lambda": None, "lambda_min": None, "rec_target": None, "ce_weight": None}  # no Eq. 3-4, no term
+# A row applies when each field in `when` has that value (or one of a tuple) among the
+# values so far. Every value was chosen on validation splits; docs/ has the numbers.
 NETWORK = {**strategies.RECL, "model": ("cnn", "alexnet")}
 ROWS = [
     ("alone", {"variant": "base"}, {k: None for k in RECL_FIELDS}),
     ("data: tinyimagenet", {"dataset": "tinyimagenet"}, {"classes_per_task": 20}),
-    # The inversion term cost ACC in DIL (docs/departures.md, 5).
-    ("data: dil", {"scenario": "dil", "variant": RECL}, {"ce_weight": 0.0}),
-    # The conv nets: Adam (6), fewer candidates and steps, a replay batch (9), in CIL local CE (8)
-    # and more inversion (5), in DIL less replay noise (docs/networks.md, "Second round").
+    ("data: dil", {"scenario": "dil", "variant": RECL}, {"ce_weight": 0.0}),  # departures.md, 5
+    # the conv nets (networks.md, "Second round"; AlexNet "Fourth round"; ResNet18 "ResNet18")
     ("network: cnn and alexnet", NETWORK, {"rec_optimizer": "adam", "m": 20, "n_rec": 30, "replay_batch": 64,
-                               "ce_scope": "local", "ce_weight": 0.03}),
+                                           "ce_scope": "local", "ce_weight": 0.03}),
     ("network: cnn and alexnet in dil", {**NETWORK, "scenario": "dil"},
      {"replay_noise": 1.0, "ce_scope": "all", "ce_weight": 0.0}),
-    # AlexNet also backtracks (11), at the method alone's budget: training harder bought
-    # nothing and cost time (docs/networks.md, "Fourth round").
     ("network: alexnet", {**strategies.RECL, "model": "alexnet"}, {"backtrack": True, "budget": "alone"}),
-    # ResNet18: its lambdas' SGD step overflowed (docs/networks.md, "ResNet18").
     ("network: resnet18", {**strategies.RECL, "model": "resnet18"},
      {"rec_optimizer": "adam", "m": 10, "n_rec": 15, "replay_batch": 32, "replay_noise": 1.0, "backtrack": True}),
-    # The paper as written: every departure off, the method's own training budget.
-    ("paper", {"paper": True, "variant": RECL},
+    ("paper", {"paper": True, "variant": RECL},  # every departure off, the method's own training budget
      {"rec_target": "weights", "freeze_old": False, "filter": False, "replay_noise": 0.0, "ce_weight": 0.0,
       "rec_optimizer": "sgd", "replay_batch": 0, "ce_scope": "all", "backtrack": False, "budget": "alone"}),
     "methods",  # "method: NAME", each method's rows from strategies.py, in their order
-    # The candidates' step size goes with what they minimise and how, under --paper too: inversion's
-    # summed CE, Eq. 3 on the weights, Adam (each pixel moves about lr_x a step); docs/departures.md, 1, 6.
+    # the candidates' step size goes with what they minimise and how, under --paper too (departures.md, 1, 6)
     ("steps: inversion", {"variant": "inversion"}, {"lr_x": 0.003}),
     ("steps: inversion dil", {"variant": "inversion", "scenario": "dil"}, {"lr_x": 0.3}),
     ("steps: weights", {"variant": "recl", "rec_target": "weights"}, {"lr_x": 1.0}),
@@ -131,25 +151,22 @@ def matches(when, values):
 
 
 def resolve(args, seed, variant):
-    """The Config of one run, from the command line's `args` (None: not given).
-
-    Config's defaults, with the flags given over them; then each row of `rows()` whose `when`
-    matches the values so far, in the order of their groups: alone, data, network, paper, method,
-    steps, control, search; a row never overrides a flag, and matches on it (`--rec-optimizer
-    adam` brings Adam's step sizes). Last, what depends on the machine or the data: --device
-    auto, --rec-precision auto, and m None (as many as images per class)."""
-    given = {k: v for k, v in vars(args).items() if v is not None and k in FIELDS and k not in ("seed", "variant")}
-    given.update(dict(args.hp))  # --hp names the method's own hyperparameters
+    """The Config of one run from the command line's `args` (None: not given): Config's defaults,
+    the flags given over them, then each row of `rows()` that matches the values so far; a row
+    never overrides a flag. The method alone takes no +ReCL value, given or not."""
+    given = {k: v for k, v in vars(args).items() if v is not None and k in FIELDS and k not in ("seed", "variant")
+             and not (variant == "base" and k in RECL_FIELDS)}
+    given.update(dict(args.hp))
     if given.get("n_per_class") == "all":
         given["n_per_class"] = None  # every training image
-    values = {**dataclasses.asdict(Config()), **strategies.defaults(args.method), "seed": seed, "variant": variant,
-              **given}
-    set_by = {k: "flag" for k in given if k in FIELDS or k in strategies.defaults(args.method)}
+    own = strategies.defaults(args.method)
+    values = {**dataclasses.asdict(Config()), **own, "seed": seed, "variant": variant, **given}
+    set_by = {k: "flag" for k in given if k in FIELDS or k in own}
     for name, when, changes in rows():
         if matches(when, values):
             values.update({k: v for k, v in changes.items() if k not in given})
             set_by.update({k: name for k in changes if k not in given})
-    values["hp"] = {k: values.pop(k) for k in strategies.defaults(args.method)}
+    values["hp"] = {k: values.pop(k) for k in own}
     values["set_by"] = {k: v for k, v in set_by.items() if values.get(k, values["hp"].get(k)) is not None
                         and k not in ("dataset", "scenario", "method", "model", "device", "n_per_class",
                                       "batch_size", "validation", "hp", "paper")}
@@ -158,7 +175,6 @@ def resolve(args, seed, variant):
         values["device"] = "cuda" if torch.cuda.is_available() else "cpu"
     if variant != "base":
         values["m"] = values["m"] or values["n_per_class"] or 100
-        values["rec_precision"] = reconstruction_precision(values["rec_precision"], torch.device(values["device"]))
     return Config(**values)
 
 
@@ -170,27 +186,227 @@ def variants(args):
     return {None: ["base", recl], "both": ["base", recl], "base": ["base"], "recl": [recl]}[args.variant]
 
 
-# `--rec-precision auto`: bfloat16 products in Eq. 3's double backward only where the CPU has
-# bfloat16 instructions (docs/cost.md); elsewhere emulated, on a GPU unmeasured.
-def reconstruction_precision(choice, device):
-    if choice != "auto":
-        return choice
-    capabilities = torch.cpu.get_capabilities() if device.type == "cpu" else {}
-    return "bfloat16" if capabilities.get("avx512_bf16") or capabilities.get("amx_bf16") else "float32"
+# =============================================================================
+# The flags, made from the fields, and the checks made before anything trains
+# =============================================================================
+
+class UsageError(Exception):
+    """Bad command-line input; printed as one line."""
+
+
+class RunFailed(Exception):
+    """A run finished without usable numbers (it diverged); printed as one line."""
+
+
+class Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):  # whole names only (--ou is not --out)
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def error(self, message):  # one line instead of usage + message
+        if "--variant: invalid choice: 'inversion'" in message:
+            message += "; the inversion control is --variant recl --rec-objective inversion"
+        raise UsageError(message)
+
+
+def method_hyperparameter(text):
+    key, sep, value = text.partition("=")
+    try:
+        return key, float(value) if sep else None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=NUMBER") from None
+
+
+def default_of(name):
+    """A field's default and each row that changes it, for its help."""
+    show = lambda v: f"{v:g}" if isinstance(v, float) else str(v)
+    changed = [f"{row} {show(changes[name])}" for row, _, changes in rows() if changes.get(name) is not None]
+    return f"(default: {show(getattr(Config(), name))}" + (f"; rows: {', '.join(changed)}" if changed else "") + ")"
+
+
+def make_parser(prog="recl.py", description=None):
+    """One flag per Config field, each defaulting to None ("not given"), and the few that are not settings."""
+    p = Parser(prog=prog, description=description or "Train a continual-learning method with and without ReCL on "
+               "a stream of tasks; one JSON file per run. Defaults: config.Config.")
+    for f in dataclasses.fields(Config):
+        meta = f.metadata
+        if not meta.get("flag"):
+            continue
+        kind = meta["kind"] or type(f.default)
+        kwargs = ({"action": "store_true" if f.name in ("validation", "paper") else argparse.BooleanOptionalAction,
+                   "default": None} if kind is bool else {"type": kind, "choices": meta["choices"]})
+        if f.name in ("scenario", "method", "model", "dataset", "seed"):  # what runs is always known
+            kwargs["default"] = f.default
+        p.add_argument(f"--{f.name.replace('_', '-')}", help=f"{meta['help']} {default_of(f.name)}", **kwargs)
+    p.add_argument("--variant", choices=["both", "base", "recl"], help="the method alone, with ReCL, or both")
+    p.add_argument("--rec-objective", choices=["stationarity", "inversion"],
+                   help="Eq. 3-6, or plain model inversion, the control (default: stationarity)")
+    p.add_argument("--hp", type=method_hyperparameter, action="append", default=[], metavar="KEY=VALUE",
+                   help="a method's own hyperparameter, e.g. --hp ewc_lambda=1000 (default: the method's rows)")
+    p.add_argument("--seeds", type=int, help="number of seeds (default: 1)")
+    p.add_argument("--save-images", action="store_true", default=None,
+                   help="per task, a PNG of real images over their nearest reconstructions, and a .pt of them")
+    p.add_argument("--out", default="results", help="folder for one JSON file per run (default: results)")
+    p.add_argument("--quiet", action="store_true", help="print only one line per finished run")
+    p.add_argument("--skip-done", action="store_true", help="skip a run whose result file exists")
+    return p
+
+
+RECL_FLAGS = [k for k in RECL_FIELDS if k != "budget"] + ["paper", "rec_objective", "save_images"]
+given = lambda args, name: getattr(args, name, None) is not None
+
+
+def check_range(name, value):
+    """One line if a flag's number lies outside its field's range."""
+    meta = Config.__dataclass_fields__[name].metadata
+    if value is None or isinstance(value, str) or not meta or meta["choices"]:
+        return
+    flag = f"--{name.replace('_', '-')}"
+    if not math.isfinite(value):
+        raise UsageError(f"{flag} must be a finite number, got {value}")
+    if meta["above"] is not None and not value > meta["above"]:
+        raise UsageError(f"{flag} must be > {meta['above']}, got {value}")
+    if meta["low"] is not None and not value >= meta["low"]:
+        raise UsageError(f"{flag} must be >= {meta['low']}, got {value}")
+    if meta["high"] is not None and value > meta["high"]:
+        raise UsageError(f"{flag} {value:g} is above {meta['high']:g}, far beyond what any run here uses")
+
+
+# What no field can say alone: (refused when, why), for the runs asked for.
+def combinations(a):
+    alone = a.method == "joint" or a.variant == "base"
+    return [
+        (a.seeds is not None and not 0 < a.seeds <= 1000, f"--seeds must be from 1 to 1000, got {a.seeds}"),
+        (not str(a.out).strip(), "--out is empty; it must name a folder"),
+        (a.scenario == "dil" and a.classes_per_task == 1, "--classes-per-task 1 in DIL gives every task one label"),
+        (a.method == "joint" and a.variant not in (None, "base"),
+         f"--variant {a.variant}: joint trains on all tasks at once and has nothing to reconstruct"),
+        (alone and any(given(a, k) for k in RECL_FLAGS),
+         f"--{next((k for k in RECL_FLAGS if given(a, k)), '').replace('_', '-')} applies to the +ReCL variant "
+         f"only; {'joint has none' if a.method == 'joint' else '--variant base runs the method alone'}"),
+        (a.rec_objective == "inversion" and any(given(a, k) for k in CONTROL),
+         f"--{next((k for k in CONTROL if given(a, k)), '').replace('_', '-')} is part of Eq. 3-6; the "
+         "inversion control (--rec-objective inversion) does not use it"),
+        (a.ce_scope == "local" and a.variant != "recl",
+         "--ce-scope local needs replayed rows: give it with --variant recl (--ce-scope new is the method alone's)"),
+        (a.ce_scope is not None and (a.scenario == "dil" or a.method == "joint"),
+         "--ce-scope applies to class-incremental training after the first task"),
+        (a.trials is not None and a.tuning in (None, "naive"), "--trials needs --tuning unsup or sup"),
+        (a.dataset not in data.DATASETS and not a.dataset.endswith(".pt"),
+         f"--dataset must be one of {', '.join(data.DATASETS)} or a .pt file, got {a.dataset!r}"),
+        (a.data_root is not None and (a.dataset == "mnist" or a.dataset.endswith(".pt")),
+         f"--data-root: {a.dataset} is not read from a data folder; leave it out"),
+        (a.dataset == "mnist" and (a.n_per_class == "all" or (a.n_per_class or 0) >= data.MNIST_SUBSET_PER_CLASS),
+         f"--n-per-class {a.n_per_class} is more than mnist allows ({data.MNIST_SUBSET_PER_CLASS - 1}; "
+         "it holds 500 images per class and needs some to test on)"),
+        (a.device == "cuda" and not torch.cuda.is_available(), "--device cuda: no CUDA device is available"),
+    ]
+
+
+def check(args, probe_out=True):
+    """Refuse, in one line, what makes no sense or would do nothing, before any work starts.
+    Fills args.hp as a dict of typed values; `probe_out`: also check that --out takes files."""
+    for name in FIELDS:
+        if name != "n_per_class" or args.n_per_class != "all":
+            check_range(name, getattr(args, name, None))
+    if args.seed + (args.seeds or 1) > 2 ** 31:
+        raise UsageError(f"--seed plus --seeds must stay below {2 ** 31}, got {args.seed}")
+    for refused, why in combinations(args):
+        if refused:
+            raise UsageError(why)
+    args.hp = strategies.check_hyperparameters(args.method, args.hp, UsageError)
+    if probe_out:
+        check_writable(args.out)
+
+
+def check_writable(folder):
+    """The results folder, or the nearest folder above it that exists, takes a file; nothing is
+    made here, so a run refused later leaves no empty folder behind."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"--out {folder} is a file; it must name a folder")
+    there = next(p for p in (folder.absolute(), *folder.absolute().parents) if p.exists())
+    try:
+        if not there.is_dir():
+            raise NotADirectoryError(f"{there} is a file")
+        probe = there / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise UsageError(f"--out {folder}: cannot write results there ({err.strerror or err})") from None
+
+
+# Numbers held per input, as multiples of its layers' outputs, measured on the CNN for a
+# reconstruction step and a training step (docs/cost.md, "Memory"), rounded up.
+STEP_COPIES, TRAIN_COPIES = 4, 2
+
+
+def layer_outputs(net, shape):
+    """How many numbers the network's layers output for one input of `shape`."""
+    sizes = []
+    hooks = [m.register_forward_hook(lambda m, i, out: sizes.append(out.numel())) for m in net.modules()
+             if not list(m.children())]
+    try:
+        with torch.no_grad():
+            net.eval()(torch.zeros(1, *shape))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return sum(sizes)
+
+
+def check_tasks(tasks, cfg):
+    """Before the first task trains: a network that takes the images, the memory the run will
+    fill (docs/cost.md, "Memory"), and training and test images for every class of every task."""
+    shape = tasks[0].x_train.shape[1:]
+    try:
+        net = models.build_model(cfg.model, shape, len(tasks[0].classes))
+    except ValueError as err:
+        raise UsageError(f"--model {cfg.model}: {err}") from None
+    if cfg.variant != "base":
+        numel, per_task = shape.numel(), len(tasks[0].classes)
+        last, acts = per_task * (len(tasks) - 1), layer_outputs(net, shape)
+        # the most candidates one backward pass goes through: with --freeze-old the newest classes' each
+        # step, and once before the steps the kept ones'; without it, all of them each step
+        in_pass = cfg.m * (max(per_task, last - per_task) if cfg.freeze_old else last)
+        batch = cfg.replay_batch + cfg.batch_size
+        have = (torch.cuda.mem_get_info()[0] if cfg.device == "cuda"
+                else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        for what, rows_, need in ((f"--m {cfg.m} candidates per class", cfg.m * last,
+                                   cfg.m * last * numel + in_pass * STEP_COPIES * acts),
+                                  (f"--replay-batch {cfg.replay_batch} with --batch-size {cfg.batch_size}", batch,
+                                   batch * (numel + TRAIN_COPIES * acts))):
+            if 4 * need > have:
+                raise UsageError(f"{what}: {rows_:,} images of {numel:,} numbers and their activations need about "
+                                 f"{4 * need / 2**30:,.1f} GiB, more than the {have / 2**30:,.1f} GiB of "
+                                 f"{cfg.device} memory")
+    split = "validation" if cfg.validation else "test"
+    for t, task in enumerate(tasks):
+        for label, c in enumerate(task.classes):
+            own = label if cfg.scenario == "dil" else label + t * len(task.classes)
+            for name, y in (("training", task.y_train), (split, task.y_test)):
+                if not (y == own).any():
+                    raise UsageError(f"{cfg.dataset}: class {c} of task {t + 1} has no {name} images" + (
+                        " left: --validation holds out a fifth; give a larger --n-per-class" if cfg.validation else ""))
+
+
+def make_tasks(cfg):
+    """The run's tasks (its validation split with --validation), class order, mean image, classes left out."""
+    tasks, order, mean_image, left_out = data.make_tasks(cfg.dataset, cfg.seed, cfg.n_per_class, cfg.scenario,
+                                                         cfg.classes_per_task, cfg.data_root)
+    if cfg.validation:
+        tasks = data.validation_split(tasks, 0.2, cfg.seed)
+    return tasks, order, mean_image, left_out
 
 
 # =============================================================================
-# Names: a run's digest, file and header
+# Names, and results on disk
 # =============================================================================
 
-# Where the data lives and which machine runs it do not define a run (the record's
-# provenance names the machine); the seed is in the file name.
-NOT_IN_DIGEST = ("seed", "device", "data_root", "set_by")
+NOT_IN_DIGEST = ("seed", "device", "data_root", "set_by")  # where it ran does not define a run
 
 
 def digest(cfg):
-    """Eight hex digits that change with any setting of the run except its seed. Your own .pt
-    counts by its contents, not its path: changed data runs again, one file by any path is one."""
+    """Eight hex digits that change with any setting of the run but its seed; a .pt counts by its contents."""
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_IN_DIGEST}
     if cfg.dataset.endswith(".pt") and Path(cfg.dataset).is_file():
         settings["dataset"] = f"sha256:{file_sha256(cfg.dataset)}"
@@ -217,10 +433,9 @@ def dataset_name(dataset):
 
 
 def run_name(cfg):
-    """What a run is, for people: dataset, scenario, variant, tuning, split."""
     tuning = "" if cfg.tuning in (None, "naive") else f"-{cfg.tuning}"
-    split = "-validation" if cfg.validation else ""
-    return f"{dataset_name(cfg.dataset)}-{cfg.scenario}-{variant_name(cfg.method, cfg.variant)}{tuning}{split}"
+    return (f"{dataset_name(cfg.dataset)}-{cfg.scenario}-{variant_name(cfg.method, cfg.variant)}{tuning}"
+            + ("-validation" if cfg.validation else ""))
 
 
 def result_path(out, cfg):
@@ -229,12 +444,12 @@ def result_path(out, cfg):
 
 
 def describe(cfg):
-    """The header line of a run: what it is and every setting it resolved to."""
-    split = " (validation split)" if cfg.validation else ""
-    text = (f"{variant_name(cfg.method, cfg.variant)} | {cfg.scenario} | {cfg.dataset}{split} | {cfg.model} | "
-            f"seed {cfg.seed} | {cfg.device} | {cfg.n_per_class or 'all'} per class, {cfg.classes_per_task} "
-            f"per task | lr {cfg.lr:g}, {cfg.epochs} epochs, batch {cfg.batch_size}"
-            + {"all": "", "new": ", CE over the new classes", "local": ", local CE"}[cfg.ce_scope])
+    """The header line of a run: what it is, every setting it resolved to, and which row or flag set it."""
+    text = (f"{variant_name(cfg.method, cfg.variant)} | {cfg.scenario} | {cfg.dataset}"
+            f"{' (validation split)' if cfg.validation else ''} | {cfg.model} | seed {cfg.seed} | {cfg.device} | "
+            f"{cfg.n_per_class or 'all'} per class, {cfg.classes_per_task} per task | lr {cfg.lr:g}, {cfg.epochs} "
+            f"epochs, batch {cfg.batch_size}" + {"all": "", "new": ", CE over the new classes",
+                                                 "local": ", local CE"}[cfg.ce_scope])
     text += "".join(f", {k} {v:g}" for k, v in cfg.hp.items())
     if cfg.variant != "base":
         values = [f"{k} {getattr(cfg, k):g}" if isinstance(getattr(cfg, k), float) else f"{k} {getattr(cfg, k)}"
@@ -243,8 +458,47 @@ def describe(cfg):
         except_ = [k for k, v in paper.items() if cfg.paper and getattr(cfg, k) != v]
         text += (" | " + ("" if not cfg.paper else f"the paper as written, except {', '.join(except_)}: "
                           if except_ else "the paper as written: ") + ", ".join(values))
-    by = {}  # where each value that is not Config's default came from
+    by = {}
     for k, source in cfg.set_by.items():
         by.setdefault(source, []).append(k)
     by_source = "; ".join(f"{s}: {', '.join(ks)}" for s, ks in by.items())
     return text + f" | set by {by_source}; the rest Config's defaults, set for the MLP | config {digest(cfg)}"
+
+
+@functools.cache  # once per process: the code it loaded, whatever is committed while it runs
+def provenance():
+    """What made a result, beyond its config: code version, library, machine."""
+    here = Path(__file__).resolve().parent
+    git = lambda *a: subprocess.run(["git", *a], cwd=here, capture_output=True, text=True, timeout=10).stdout.strip()
+    try:
+        commit = git("rev-parse", "--short", "HEAD") or None
+        dirty = bool(commit) and bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = None, False
+    return {"commit": commit, "uncommitted_changes": dirty, "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "threads": torch.get_num_threads(), "python": sys.version.split()[0]}
+
+
+def write_atomically(path, text):
+    """Write to a temporary name, then rename: a killed run never leaves half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_json_atomically(path, record):
+    write_atomically(path, json.dumps(record, indent=1))
+
+
+def run_from_command_line(main, program):
+    """Run `main`; the errors a user can cause end in one line and a non-zero exit."""
+    try:
+        main()
+    except (UsageError, RunFailed, data.DataError) as err:
+        sys.exit(f"{program}: error: {err}")
+    except KeyboardInterrupt:
+        sys.exit(f"{program}: interrupted; finished runs are saved, rerun to redo the rest")

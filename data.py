@@ -50,7 +50,7 @@ def load_mnist_subset(path=MNIST_SUBSET):
     digest = hashlib.sha256(raw).hexdigest()
     if path == MNIST_SUBSET and digest != MNIST_SUBSET_SHA256:
         raise DataError(f"{path} is corrupt (sha256 mismatch); restore it with `git checkout -- data`")
-    if digest in _PARSED:  # a run_all.sh worker (experiments.py queue) loads it once per run
+    if digest in _PARSED:  # a run_all.sh worker (several runs in one process) loads it once per run
         images, labels = _PARSED[digest]
         return images.clone(), labels.clone()
     try:
@@ -276,6 +276,8 @@ def load_tensor_file(path):
 
     x: [N, C, H, W] or [N, D], uint8 (0-255) or float (0-1); y: int64 labels 0..K-1.
     """
+    if Path(path).is_dir():
+        raise DataError(f"{path} is a folder, not a file saved with torch.save")
     try:
         content = torch.load(path, weights_only=True)
     except FileNotFoundError:
@@ -295,8 +297,8 @@ def load_tensor_file(path):
             raise DataError(f"{path}: x_{split} must be [N, C, H, W] or [N, D], got shape {list(x.shape)}")
         if y.dim() != 1 or len(y) != len(x):
             raise DataError(f"{path}: y_{split} must be a 1-D tensor with one label per row of x_{split}")
-        if not len(x):
-            raise DataError(f"{path}: x_{split} holds no images")
+        if not len(x) or not x[0].numel():
+            raise DataError(f"{path}: x_{split} holds no images, or images of no pixels: shape {list(x.shape)}")
         if y.dtype.is_floating_point or y.dtype == torch.bool:
             raise DataError(f"{path}: y_{split} must hold integer labels, got {y.dtype}")
         if len(y) and y.min() < 0:
@@ -306,10 +308,10 @@ def load_tensor_file(path):
         unseen = [c for c in y.unique().tolist() if c >= len(parts[1].unique())] if split == "test" else []
         if unseen:
             raise DataError(f"{path}: y_test has labels that y_train lacks: {unseen}")
+        if not torch.isfinite(x.float()).all():
+            raise DataError(f"{path}: x_{split} has NaN or infinite pixels")
         if x.dtype != torch.uint8 and not (x.dtype.is_floating_point and 0 <= x.min() and x.max() <= 1):
             raise DataError(f"{path}: x_{split} must be uint8 (0-255) or float in [0, 1]")
-        if not torch.isfinite(x.float()).all():
-            raise DataError(f"{path}: x_{split} has non-finite values")
     if parts[0].shape[1:] != parts[2].shape[1:]:
         raise DataError(f"{path}: train images {list(parts[0].shape[1:])} and test images "
                         f"{list(parts[2].shape[1:])} differ in shape")
@@ -370,7 +372,7 @@ def make_tasks(dataset, seed, n_per_class=100, scenario="cil", classes_per_task=
 def validation_split(tasks, fraction=0.2, seed=0):
     """Tasks whose test set is a held-out `fraction` of their own training images.
 
-    For tuning hyperparameters (experiments.py tune): the real test images are dropped,
+    For tuning hyperparameters (tools/tune.py): the real test images are dropped,
     so nothing chosen on these tasks has seen them.
     """
     generator = torch.Generator().manual_seed(seed)

@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import recl  # the search reconstructs (recl imports this module too: used at call time only)
 
 
 def ssim(a, b, window=11, sigma=1.5):
@@ -134,7 +133,7 @@ SEARCH_SPACE = {"sigma_x": 10.0, "lr_x": 10.0, "lr_lambda": 10.0, "lambda_min": 
 def random_search(candidates, evaluate):
     """Score each settings dict by evaluate(settings) -> (score, summary, payload); return every
     (score, settings, summary), best first (ties: the earlier; non-finite: last), and the best
-    trial's payload. experiments.py's validation search shares it."""
+    trial's payload. tools/tune.py's validation search shares it."""
     trials, best = [], None
     for settings in candidates:
         score, summary, payload = evaluate(settings)
@@ -158,8 +157,9 @@ def reference_buffer(old_tasks, fraction, seed):
                       for t in old_tasks])
 
 
-def search_reconstruction(model, old_tasks, cfg, log=print, ext=None, last=None, mean_image=None):
-    """Step 1 with a search: `cfg.trials` reconstructions; the one the score rates highest."""
+def search_reconstruction(reconstruct_with, old_tasks, cfg, log=print, mean_image=None):
+    """Step 1 with a search: `cfg.trials` reconstructions, `reconstruct_with(cfg)` each; the one
+    the score rates highest, as (x, y, lambdas, report)."""
     seed = cfg.seed * 100 + len(old_tasks)  # the search's own draws, new before each task
     if cfg.tuning == "unsup":  # the lowest final L_full; needs no old data
         score = lambda x, report: -report["kept_loss"]
@@ -172,8 +172,7 @@ def search_reconstruction(model, old_tasks, cfg, log=print, ext=None, last=None,
     candidates = [own] + [sample_hyperparameters(gen, own) for _ in range(cfg.trials - 1)]
 
     def evaluate(hp):
-        x, y, lam, report = recl.reconstruct_old_data(model, old_tasks, dataclasses.replace(cfg, **hp), log,
-                                                   ext or recl.Extensions(), last)
+        x, y, lam, report = reconstruct_with(dataclasses.replace(cfg, **hp))
         useless = not math.isfinite(report["kept_loss"]) or report["kept_loss"] >= report["first_loss"]
         value = -math.inf if useless else score(x, report)
         log(f"    trial {candidates.index(hp) + 1}/{cfg.trials}: " + " ".join(f"{k} {v:.3g}" for k, v in hp.items())

@@ -8,17 +8,26 @@ ReCL reads this backwards: before each new task it optimises random candidates x
 their lambda_i until the equation holds for the current weights (Step 1, Sec. 4.1), then
 trains on those reconstructions with the new task's data (Step 2, Sec. 4.2).
 
-Part 1 is the paper, whole, and `--paper` runs exactly it; its functions take named
-extension points (`Extensions`), each the paper's own step by default. Part 2 is our
-departures, each one function on one point, and the controls; part 3 helpers and records.
-The search of Sec. 4.3 is in judging.py, the command line in cli.py, every default of a
-run in config.py.
+Read top to bottom:
+  1. The paper: Eq. 3-6, Step 1's loop (`reconstruct`), Step 2's loop (`train_task`), the
+     metrics (Eq. 1-2). Each loop takes values, as PyTorch code does.
+  2. A run: `step1` and `step2` build those values from a `config.Config`, each departure
+     from the paper one `if` line there; `run_continual` is the task loop.
+  3. The departures, one function each, numbered as in docs/departures.md.
+  4. `main`: the command line, from flags to one JSON file per run.
+
+`--paper` switches every departure off. What it then runs is the paper's text plus the
+choices that the text leaves open, which stay on in every run:
+  - Eq. 4 and 5 as squared hinges, weight 5 on Eq. 4, and Eq. 3's sum scaled by 1/n (n
+    candidates), as in the reference code of Buzaglo et al. (2023);
+  - SGD with momentum 0.9 for the candidates and lambdas (the paper says SGD);
+  - a reconstruction hands back its lowest-loss step, not its last (a step can overshoot);
+  - batch-norm statistics re-estimated after each task (only ResNet18 has them);
+  - float32 throughout (bfloat16 products in Step 1 only with --rec-precision bfloat16).
 """
 import dataclasses
-import functools
 import math
 import time
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -31,23 +40,23 @@ import models
 import strategies
 
 # =============================================================================
-# 1. The paper: ReCL as written
+# 1. The paper
 # =============================================================================
 #
 # Phi(theta; x) for a multi-class network is the margin of x's label y: its
 # logit minus the largest other logit. At a margin-maximisation point the
 # weights satisfy the stationarity condition (App. B.2, Eq. 9), which Eq. 3 turns
-# into a loss over candidates x_1..x_m with fixed labels and coefficients
-# lambda_1..lambda_m:
+# into a loss over n candidates x_1..x_n with fixed labels and coefficients
+# lambda_1..lambda_n (n = m candidates per old class, `--m`, times the old classes):
 #
-#   L_rec    = || theta - (1/m) sum_i lambda_i grad_theta Phi(theta; x_i) ||^2   (Eq. 3)
+#   L_rec    = || theta - (1/n) sum_i lambda_i grad_theta Phi(theta; x_i) ||^2   (Eq. 3)
 #   L_lambda = 5 sum_i relu(lambda_min - lambda_i)^2                             (Eq. 4)
 #   L_prior  = sum_{i,k} relu(|x_ik| - 1)^2                                      (Eq. 5)
 #   L_full   = L_rec + L_lambda + L_prior                                        (Eq. 6)
 #
-# In every run, like the reference code (Buzaglo et al. 2023), Eq. 4 and 5 use squared
-# hinges (smooth; the paper prints plain ones), weight 5 on Eq. 4; the sum is scaled by
-# 1/m so that lambda_min means the same for any m; the norm runs over every parameter.
+# Like the reference code, Eq. 4 and 5 use squared hinges (smooth; the paper prints
+# plain ones); the sum is scaled by 1/n so that lambda_min means the same for any n;
+# the norm runs over every parameter.
 
 def margins(model, params, x, y):
     """Phi_y(x) - max_{j != y} Phi_j(x) for a batch, with the network's weights as `params`."""
@@ -58,7 +67,7 @@ def margins(model, params, x, y):
 
 
 def weighted_gradient_sum_vmap(model, params, x, y, lam):
-    """(1/m) sum_i lambda_i grad_theta Phi(theta; x_i) as written, one gradient per candidate:
+    """(1/n) sum_i lambda_i grad_theta Phi(theta; x_i) as written, one gradient per candidate:
     the reference the fast form below is tested against."""
     def margin_of_one(p, xi, yi):
         return margins(model, p, xi[None], yi[None])[0]
@@ -67,11 +76,11 @@ def weighted_gradient_sum_vmap(model, params, x, y, lam):
     return {k: torch.tensordot(lam, g, dims=1) / len(x) for k, g in per_candidate.items()}
 
 
-def weighted_gradient_sum(model, params, x, y, lam, m=None):
+def weighted_gradient_sum(model, params, x, y, lam, n=None):
     """The same sum in one backward pass, as a gradient is linear: grad sum_i lambda_i Phi(x_i),
-    differentiable in x and lambda. Divided by m, all candidates, also when `x` is some of them."""
+    differentiable in x and lambda. Divided by n, all candidates, also when `x` is some of them."""
     def weighted_margins(p):
-        return (lam * margins(model, p, x, y)).sum() / (m or len(x))
+        return (lam * margins(model, p, x, y)).sum() / (n or len(x))
 
     return grad(weighted_margins)(params)
 
@@ -81,150 +90,68 @@ def image_prior(x):
     return F.relu(x.abs() - 1).pow(2).sum()
 
 
-def stationarity_loss(model, params, labels, target, lambda_min, m=None, scale=1.0):
+def stationarity_loss(model, params, labels, target, lambda_min, n=None, scale=1.0):
     """L_full (Eq. 6) of candidates x and lambdas, term by term; `target` is theta in Eq. 3."""
     def loss(x, lam):
-        combination = weighted_gradient_sum(model, params, x, labels, lam, m)
+        combination = weighted_gradient_sum(model, params, x, labels, lam, n)
         return {"rec": scale * sum((target[k] - combination[k]).pow(2).sum() for k in params),  # Eq. 3
                 "lambda": 5 * F.relu(lambda_min - lam).pow(2).sum(),                             # Eq. 4
                 "prior": image_prior(x)}                                                          # Eq. 5
     return loss
 
 
-def candidate_labels(n_outputs, m_per_class, n_old_tasks, scenario):
+def candidate_labels(n_outputs, m, n_old_tasks, scenario):
     """Fixed labels, m per old class (Sec. 4.2); in DIL tasks share labels, so m per class per task."""
-    per_class = m_per_class * (1 if scenario == "cil" else n_old_tasks)
-    return torch.arange(n_outputs).repeat_interleave(per_class)
+    return torch.arange(n_outputs).repeat_interleave(m * (1 if scenario == "cil" else n_old_tasks))
 
 
-# The extension points. Each default is the paper's own step; part 2's departures replace some.
-
-def random_start(labels, input_shape, cfg, last=None):
-    """x_i ~ N(0, sigma_x^2 I) (Sec. 4.1) and lambda_i ~ U(0, 1), reproducibly, none held fixed
-    (`last`, the previous reconstruction, is for a start that builds on it)."""
-    gen, m, device = torch.Generator().manual_seed(cfg.seed), len(labels), labels.device
-    x, lam = torch.randn(m, *input_shape, generator=gen) * cfg.sigma_x, torch.rand(m, generator=gen)
-    return x.to(device), lam.to(device), torch.zeros(m, dtype=torch.bool, device=device)
+def random_start(n, input_shape, sigma_x, seed):
+    """x_i ~ N(0, sigma_x^2 I) (Sec. 4.1) and lambda_i ~ U(0, 1), the same draw for a seed."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, *input_shape, generator=gen) * sigma_x, torch.rand(n, generator=gen)
 
 
-def shuffled_batches(x, y, own, cfg):
-    """Each epoch shuffles every row, the task's own (the first `own`) and the reconstructions alike."""
-    loader = data.loader(torch.arange(len(x), device=x.device), y, cfg.batch_size, seed=cfg.seed)
-    return lambda: (rows for rows, _ in loader)
-
-
-def cross_entropy_over_all(model, xb, yb, own_rows, n_old_classes, cfg, replaying):
-    """The batch's logits, and its cross-entropy over every class (the other arguments are for departure 8)."""
-    logits = model(xb)
-    return logits, F.cross_entropy(logits, yb)
-
-
-@dataclasses.dataclass(frozen=True)
-class Extensions:
-    """Where part 2 plugs in; each default is what the paper does, and shows the point's signature."""
-    # Step 1
-    start: Callable = random_start                                   # where the candidates start
-    target: Callable = lambda params, model: (params, 1.0)           # what Eq. 3 fits: theta, at scale 1
-    loss: Callable = stationarity_loss                               # L_full (the inversion control swaps it)
-    extra_terms: Callable = lambda net, params, labels, cfg: lambda x: {}  # terms added to Eq. 6: none
-    optimizer: Callable = lambda v, lr: torch.optim.SGD([v], lr=lr, momentum=0.9)  # SGD (momentum: reference code)
-    keep_step: Callable = lambda losses, best, tensors, optimizers, memo: True    # every step is kept
-    # Step 2
-    select: Callable = lambda model, x, y: torch.ones(len(x), dtype=torch.bool, device=x.device)  # replay all
-    batches: Callable = shuffled_batches                             # how a batch is drawn
-    replayed: Callable = lambda x, own, cfg: lambda xb, rows: xb     # replayed rows: as they are
-    cross_entropy: Callable = cross_entropy_over_all                 # which classes it compares: all
-
-
-def full_loss(model, net, params, labels, x0, lam0, fixed, cfg, ext=Extensions()):
-    """L_full (Eq. 6) of the candidates not held `fixed`, in the run's number format; and L_rec's scale."""
-    target, scale = ext.target(params, model)
-    if fixed.any():  # candidates held fixed add a constant to Eq. 3's sum: take it off the target once
-        share = weighted_gradient_sum(net, params, x0[fixed], labels[fixed], lam0[fixed], len(labels))
-        target = {k: target[k] - share[k] for k in target}
-    eq6 = ext.loss(net, params, labels[~fixed], target, cfg.lambda_min, len(labels), scale)
-    extra = ext.extra_terms(net, params, labels[~fixed], cfg)
-
-    def L_full(x, lam):
-        with torch.autocast(labels.device.type, dtype=torch.bfloat16, enabled=cfg.rec_precision == "bfloat16"):
-            return {**eq6(x, lam), **extra(x)}
-    return L_full, scale
-
-
-def reconstruct(model, labels, input_shape, cfg, log=print, ext=Extensions(), last=None):
-    """Step 1 (Sec. 4.1): look-alikes of old training data from `model` alone. Random candidates
-    and lambdas, two SGD optimisers with momentum, n_rec steps on L_full; returns the candidates
-    and lambdas with the lowest loss seen (the last step's included) and a report."""
-    net = models.with_smooth_relu(model, cfg.alpha).eval()  # smooth backward, exact forward (Haim et al.)
-    params = {k: v.detach() for k, v in net.named_parameters()}
-    x0, lam0, fixed = ext.start(labels, input_shape, cfg, last)
-    L_full, scale = full_loss(model, net, params, labels, x0, lam0, fixed, cfg, ext)
-    x, lam = x0[~fixed].requires_grad_(), lam0[~fixed].requires_grad_()
-    optimizers = ext.optimizer(x, cfg.lr_x), ext.optimizer(lam, cfg.lr_lambda or 0.0)  # the control: no lambdas
-    losses, best, memo = [], None, {}
-    for step in range(cfg.n_rec + 1):  # the last pass only scores the last step's candidates
-        with torch.set_grad_enabled(step < cfg.n_rec):
+def reconstruct(L_full, x, lam, optimizers, steps, log=print, backtrack=False):
+    """Step 1 (Sec. 4.1): `steps` steps of the optimisers on L_full(x, lam) (Eq. 6), in place.
+    Returns the candidates and lambdas of the lowest loss seen and a report."""
+    losses, best, undone, backtracks = [], None, False, 0
+    for step in range(steps + 1):  # the last pass only scores the last step
+        with torch.set_grad_enabled(step < steps):
             terms = L_full(x, lam)
             loss = sum(terms.values())
         losses.append(loss.item())
         first_terms = detached(terms) if step == 0 else first_terms
-        # a step is judged (and may be undone) before it is logged, kept as the best, or taken
-        kept = ext.keep_step(losses, best, (x, lam), optimizers, memo)
-        if step and step % max(1, cfg.n_rec // 4) == 0 and step < cfg.n_rec:  # progress at each quarter
-            log(f"    step {step}/{cfg.n_rec}: loss {losses[-1]:.4g}")
-        if not kept:
+        undo = backtrack and best is not None and not undone and not losses[-1] <= best[0]  # departure 11
+        if undo:
+            losses[-1] = step_back(x, lam, best, optimizers)
+        undone, backtracks = undo, backtracks + undo
+        if step and step % max(1, steps // 4) == 0 and step < steps:  # progress at each quarter
+            log(f"    step {step}/{steps}: loss {losses[-1]:.4g}")
+        if undo:
             continue
         if not math.isfinite(losses[-1]):
             break
-        if best is None or losses[-1] < best[0]:  # a step can overshoot: keep the best seen (the paper: the last)
+        if best is None or losses[-1] < best[0]:  # keep the lowest loss seen
             best = (losses[-1], x.detach().clone(), lam.detach().clone(), detached(terms))
-        if step < cfg.n_rec:
-            descend(loss, optimizers)
+        if step < steps:
+            for opt in optimizers:
+                opt.zero_grad()
+            loss.backward()
+            for opt in optimizers:
+                opt.step()
     if best is None:  # not even the start has a finite loss: hand back the start, flagged
         best = (losses[0], x.detach(), lam.detach(), detached(terms))
-    x0[~fixed], lam0[~fixed] = best[1], best[2]
-    report = reconstruction_report(losses, best, first_terms, memo.get("backtracks", 0))
-    return x0, lam0, {"candidates": len(x0), "optimised": int((~fixed).sum()), "rec_scale": float(scale), **report}
+    return best[1], best[2], {**reconstruction_report(losses, best, first_terms), "backtracks": backtracks}
 
 
-def reconstruct_old_data(model, old_tasks, cfg, log=print, ext=Extensions(), last=None):
-    """Step 1 for a run: labels over the old classes, then `reconstruct`: x, labels, lambdas, report."""
-    device = next(model.parameters()).device
-    labels = candidate_labels(model.head.out_features, cfg.m, len(old_tasks), cfg.scenario).to(device)
-    x, lam, report = reconstruct(model, labels, old_tasks[0].x_train.shape[1:], cfg, log, ext, last)
-    return x, labels, lam, report
-
-
-# Metrics (Sec. 3). R[t][i] is the test accuracy (percent) on task i after training on task t.
-
-def acc_and_bwt(R):
-    """ACC = mean_i R[T, i] (Eq. 1); BWT = mean_{i<T} R[T, i] - R[i, i] (Eq. 2)."""
-    T = len(R)
-    acc = sum(R[T - 1][i] for i in range(T)) / T
-    bwt = sum(R[T - 1][i] - R[i][i] for i in range(T - 1)) / (T - 1) if T > 1 else 0.0
-    return acc, bwt
-
-
-@torch.no_grad()
-def accuracy(model, x, y, batch_size=1000):
-    model.eval()
-    correct = sum((model(xb).argmax(1) == yb).sum().item()
-                  for xb, yb in zip(x.split(batch_size), y.split(batch_size)))
-    return 100.0 * correct / len(x)
-
-
-def train_task(model, x, y, hooks, state, cfg, n_replayed=0, n_old_classes=0, ext=Extensions()):
-    """Step 2 (Sec. 4.2): SGD on cross-entropy, which the strategy's hooks extend; the last
-    `n_replayed` rows are the reconstructions. Returns the last epoch's mean loss."""
+def train_task(model, batches, loss_of, optimizer, epochs, hooks, state):
+    """Step 2 (Sec. 4.2): SGD on cross-entropy, which the strategy's hooks extend. `batches()`
+    draws one epoch of (x, y, replayed) batches; returns the last epoch's mean loss."""
     model.train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
-    own = len(x) - n_replayed  # the task's own rows come first
-    draw, change = ext.batches(x, y, own, cfg), ext.replayed(x, own, cfg)
-    for epoch in range(cfg.epochs):
+    for epoch in range(epochs):
         total, seen = 0.0, 0
-        for rows in draw():
-            xb, yb = change(x[rows], rows), y[rows]
-            logits, loss = ext.cross_entropy(model, xb, yb, rows < own, n_old_classes, cfg, n_replayed > 0)
+        for xb, yb, replayed in batches():
+            logits, loss = loss_of(model, xb, yb, replayed)
             if "extra_loss" in hooks:
                 loss = loss + hooks["extra_loss"](model, xb, yb, logits, state)
             optimizer.zero_grad()
@@ -236,49 +163,128 @@ def train_task(model, x, y, hooks, state, cfg, n_replayed=0, n_old_classes=0, ex
             if not math.isfinite(value):  # nothing useful can follow: stop here and say where
                 raise Diverged(f"training loss {value} in epoch {epoch + 1}")
             total, seen = total + value * len(xb), seen + len(xb)
-    # Batch norm (ResNet18) evaluates with running statistics that a task's few dozen steps
-    # barely move from their start: re-estimate them with the final weights (docs/running.md).
-    torch.optim.swa_utils.update_bn(((x[rows],) for rows in draw()), model)
     return total / max(seen, 1)
 
 
-def run_continual(cfg, tasks, log=print, judge=None, mean_image=None):
+def cross_entropy(model, xb, yb, replayed):
+    """The paper's loss: every row scored over every class."""
+    logits = model(xb)
+    return logits, F.cross_entropy(logits, yb)
+
+
+def acc_and_bwt(R):
+    """R[t][i]: test accuracy (percent) on task i after training task t. ACC = mean_i R[T, i]
+    (Eq. 1); BWT = mean_{i<T} R[T, i] - R[i, i] (Eq. 2)."""
+    T = len(R)
+    acc = sum(R[T - 1][i] for i in range(T)) / T
+    bwt = sum(R[T - 1][i] - R[i][i] for i in range(T - 1)) / (T - 1) if T > 1 else 0.0
+    return acc, bwt
+
+
+@torch.no_grad()
+def accuracy(model, x, y, batch_size=1000):
+    model.eval()
+    correct = sum((model(xb).argmax(1) == yb).sum().item() for xb, yb in zip(x.split(batch_size), y.split(batch_size)))
+    return 100.0 * correct / len(x)
+
+
+# =============================================================================
+# 2. A run: the values each step takes, and the task loop
+# =============================================================================
+
+def step1(model, old_tasks, cfg, last=None, log=print):
+    """Step 1 for a run: candidates for every old class, read from `model` after its last task.
+    `last`: the previous reconstruction (x, labels, lambdas). Returns x, labels, lambdas, report."""
+    device = next(model.parameters()).device
+    labels = candidate_labels(model.head.out_features, cfg.m, len(old_tasks), cfg.scenario).to(device)
+    net = models.with_smooth_relu(model, cfg.alpha).eval()  # smooth backward, exact forward (Haim et al.)
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    x, lam = (v.to(device) for v in random_start(len(labels), old_tasks[0].x_train.shape[1:], cfg.sigma_x, cfg.seed))
+    fixed = torch.zeros(len(labels), dtype=torch.bool, device=device)
+    target, scale = params, 1.0                                            # Eq. 3 fits theta
+    if cfg.rec_target == "displacement":                                   # departure 1: theta - theta_0
+        target, scale = displacement_target(params, model)
+    if cfg.freeze_old and last is not None:                                # departure 2: keep what was read
+        fixed = keep_earlier(labels, x, lam, *last)
+        target = less_share_of(net, params, target, x[fixed], labels[fixed], lam[fixed], len(labels))
+    L_full = stationarity_loss(net, params, labels[~fixed], target, cfg.lambda_min, len(labels), scale)
+    if cfg.variant == "inversion":                                         # the control: no Eq. 3
+        L_full = inversion_loss(net, params, labels[~fixed])
+    if cfg.ce_weight:                                                      # departure 5: a little inversion
+        L_full = plus_inversion_term(L_full, net, params, labels[~fixed], cfg.ce_weight)
+    if cfg.rec_precision == "bfloat16":                                    # faster products, where supported
+        L_full = in_bfloat16(L_full, device)
+    free_x, free_lam = x[~fixed].requires_grad_(), lam[~fixed].requires_grad_()
+    optimizer = lambda v, lr: torch.optim.SGD([v], lr=lr, momentum=0.9)   # the paper's SGD (momentum: ref. code)
+    if cfg.rec_optimizer == "adam":                                        # departure 6
+        optimizer = adam
+    optimizers = [optimizer(free_x, cfg.lr_x)] + ([optimizer(free_lam, cfg.lr_lambda)] if cfg.lr_lambda else [])
+    x[~fixed], lam[~fixed], report = reconstruct(L_full, free_x, free_lam, optimizers, cfg.n_rec, log,
+                                                 backtrack=bool(cfg.backtrack))  # departure 11
+    return x, labels, lam, {"candidates": len(x), "optimised": int((~fixed).sum()), "rec_scale": float(scale),
+                            **report}
+
+
+def step2(task, x_rec, y_rec, cfg, n_old_classes):
+    """Step 2 for a run: the task's images with the reconstructions last, as batches and a loss.
+    Returns batches(), the loss, and batches without replay noise (for batch norm's statistics)."""
+    x, y, own = torch.cat([task.x_train, x_rec]), torch.cat([task.y_train, y_rec]), len(task.x_train)
+    rows = shuffled_rows(x, own, cfg.batch_size, cfg.seed)                # the paper: one shuffled set
+    if cfg.replay_batch and own < len(x):                                  # departure 9: replay in every batch
+        rows = replay_in_every_batch(x, own, cfg.batch_size, cfg.replay_batch, cfg.seed)
+    batches = clean = lambda: ((x[r], y[r], r >= own) for r in rows())
+    if cfg.replay_noise and own < len(x):                                  # departure 4: fresh noise on replay
+        batches = with_noise(clean, (cfg.replay_noise * x[:own].std()).item(), x.device, cfg.seed)
+    loss = cross_entropy
+    if cfg.ce_scope != "all" and n_old_classes:                            # departure 8: local cross-entropy
+        scope = cfg.ce_scope if own < len(x) else "new"  # local needs replayed rows
+        loss = lambda model, xb, yb, replayed: scoped_cross_entropy(model, xb, yb, replayed, n_old_classes, scope)
+    return batches, loss, clean
+
+
+def run_continual(cfg, tasks, log=print, judge=None, search=None):
     """Train one model through all tasks, with ReCL unless cfg.variant is "base"; its record.
-    `judge(old_tasks, x_rec, y_rec)` reports on each reconstruction (judging.py); training never sees it."""
-    if cfg.method == "joint":  # the upper bound has no stream of tasks (part 2)
+    `judge(old_tasks, x, y)` reports on a reconstruction (judging.py), which training never sees;
+    `search(reconstruct_with, old_tasks, cfg, log)` picks one by Sec. 4.3's search."""
+    if cfg.method == "joint":  # the upper bound: no stream of tasks
         return run_jointly(cfg, tasks, log)
+    search = search or judging.search_reconstruction
     started = time.time()
     torch.manual_seed(cfg.seed)  # the same init and shuffles for every variant
     tasks = [data.Task(t.classes, *(v.to(cfg.device) for v in t[1:])) for t in tasks]
     per_task, name = len(tasks[0].classes), config.variant_name(cfg.method, cfg.variant)
     model = models.build_model(cfg.model, tasks[0].x_train.shape[1:], per_task).to(cfg.device)
     hooks, state = strategies.STRATEGIES[cfg.method]["hooks"], strategies.new_state(cfg.method, **cfg.hp)
-    ext = extensions(cfg)  # the paper's steps, with this run's departures on them (part 2)
-    step1 = reconstruct_old_data if cfg.tuning in (None, "naive") else functools.partial(  # or Sec. 4.3's search
-        judging.search_reconstruction, mean_image=mean_image)
-    R, reconstructions, recon_quality, last, diverged = [[None] * len(tasks) for _ in tasks], [], [], None, None
+    R, reconstructions, quality, last, diverged = [[None] * len(tasks) for _ in tasks], [], [], None, None
     for t, task in enumerate(tasks):
-        x, y = task.x_train, task.y_train
-        if cfg.variant != "base" and t > 0:  # Step 1: reconstruct old data from the model after task t-1
+        x_rec, y_rec = task.x_train[:0], task.y_train[:0]
+        if cfg.variant != "base" and t > 0:  # Step 1: reconstruct old data from the model after task t
             start = time.time()
-            x_rec, y_rec, lam_rec, report = step1(model, tasks[:t], cfg, log, ext, last)
+            if cfg.tuning in (None, "naive"):
+                x_rec, y_rec, lam, report = step1(model, tasks[:t], cfg, last, log)
+            else:  # Sec. 4.3: several reconstructions, the best by a score
+                x_rec, y_rec, lam, report = search(lambda c: step1(model, tasks[:t], c, last, log), tasks[:t], cfg, log)
             log(f"    reconstruction took {time.time() - start:.1f}s")
-            last = (x_rec, y_rec, lam_rec)  # whole: a start may build on it
-            keep = ext.select(model, x_rec, y_rec)
-            x_rec, y_rec = x_rec[keep], y_rec[keep]
+            last = (x_rec, y_rec, lam)  # whole, for departure 2
+            if cfg.filter:  # departure 3: drop the candidates the model files under another class
+                keep = classified_as_labelled(model, x_rec, y_rec)
+                x_rec, y_rec = x_rec[keep], y_rec[keep]
             reconstructions.append(noted(report, t, len(x_rec), start, name, log))
             if judge and len(x_rec):
-                recon_quality.append(judge(tasks[:t], x_rec, y_rec))
-            x, y = torch.cat([x, x_rec]), torch.cat([y, y_rec])  # Step 2: the reconstructions last
+                quality.append(judge(tasks[:t], x_rec, y_rec))
         if cfg.scenario == "cil":
             models.grow_head(model, per_task * (t + 1))
+        batches, loss_of, clean = step2(task, x_rec, y_rec, cfg, per_task * t if cfg.scenario == "cil" else 0)
         try:
-            loss = train_task(model, x, y, hooks, state, cfg, len(x) - len(task.x_train),
-                              per_task * t if cfg.scenario == "cil" else 0, ext)
+            loss = train_task(model, batches, loss_of, torch.optim.SGD(model.parameters(), lr=cfg.lr), cfg.epochs,
+                              hooks, state)
         except Diverged as err:  # the record says so and has no ACC or BWT to average
             diverged = f"{err} of task {t + 1}"
             log(f"  [{name}] task {t + 1}: diverged, {err}")
             break
+        # Batch norm (ResNet18) evaluates with running statistics that a task's few dozen steps
+        # barely move from their start: re-estimate them with the final weights.
+        torch.optim.swa_utils.update_bn(((xb,) for xb, _, _ in clean()), model)
         model.eval()  # strategies look at the trained model (fixed batch-norm statistics, no dropout)
         if "after_task" in hooks:
             hooks["after_task"](model, data.loader(task.x_train, task.y_train, cfg.batch_size, shuffle=False), state)
@@ -286,18 +292,45 @@ def run_continual(cfg, tasks, log=print, judge=None, mean_image=None):
         log(f"  [{name}] task {t + 1}/{len(tasks)} classes {task.classes}: loss {loss:.3f}, "
             f"acc {' '.join(f'{a:.1f}' for a in R[t][:t + 1])}")
     acc, bwt = acc_and_bwt(R) if diverged is None else (None, None)
-    return record_of(cfg, R, acc, bwt, diverged, reconstructions, recon_quality, started)
+    return record_of(cfg, R, acc, bwt, diverged, reconstructions, quality, started)
+
+
+def run_jointly(cfg, tasks, log=print):
+    """The upper bound (`--method joint`): one model trained on every task's training images
+    at once; its record has one row of test accuracies, and no BWT."""
+    started = time.time()
+    torch.manual_seed(cfg.seed)
+    tasks = [data.Task(t.classes, *(v.to(cfg.device) for v in t[1:])) for t in tasks]
+    n_outputs = len(tasks[0].classes) * (len(tasks) if cfg.scenario == "cil" else 1)
+    model = models.build_model(cfg.model, tasks[0].x_train.shape[1:], n_outputs).to(cfg.device)
+    every = data.Task(None, torch.cat([t.x_train for t in tasks]), torch.cat([t.y_train for t in tasks]), None, None)
+    batches, loss_of, clean = step2(every, every.x_train[:0], every.y_train[:0], cfg, 0)
+    acc, row, diverged = None, None, None
+    try:
+        loss = train_task(model, batches, loss_of, torch.optim.SGD(model.parameters(), lr=cfg.lr), cfg.epochs, {}, {})
+        torch.optim.swa_utils.update_bn(((xb,) for xb, _, _ in clean()), model)
+        row = [accuracy(model, t.x_test, t.y_test) for t in tasks]
+        acc = sum(row) / len(row)
+        log(f"  [joint] all {len(tasks)} tasks at once: loss {loss:.3f}, acc {' '.join(f'{a:.1f}' for a in row)}")
+    except Diverged as err:
+        diverged = str(err)
+        log(f"  [joint] diverged, {err}")
+    return record_of(cfg, [row], acc, None, diverged, [], [], started)
+
+
+def shuffled_rows(x, own, batch_size, seed):
+    """Each epoch shuffles every row, the task's own and the reconstructions alike."""
+    loader = data.loader(torch.arange(len(x), device=x.device), torch.zeros(len(x)), batch_size, seed=seed)
+    return lambda: (rows for rows, _ in loader)
 
 
 # =============================================================================
-# 2. Departures from the paper, and the controls
+# 3. The departures from the paper, and the inversion control
 # =============================================================================
-# Each departure is one function on one extension point of part 1, switched on
-# by one config field; `--paper` switches every one off. Each says what the
-# paper does, what we do and why; docs/departures.md has the numbers under the
-# same number (the gaps are levers that lost, recorded there).
+# Each: what the paper does, what we do, why. docs/departures.md has the numbers under the
+# same number (the gaps are levers that lost). `--paper` switches every one off.
 
-# Departure 1, displacement target (`--rec-target displacement`), point `target`.
+# Departure 1, displacement target (`--rec-target displacement`).
 # Paper: Eq. 3 fits theta. Here: theta - theta_0, what training added, relative to its size.
 # Why: Eq. 3 holds after long training; after minutes the random start theta_0 still
 # dominates theta, and no candidate explains it.
@@ -310,32 +343,27 @@ def displacement_target(params, model):
     return displacement, 1.0 / sum(v.pow(2).sum() for v in displacement.values()).clamp_min(1e-30)
 
 
-def unexplained(report):
-    """For the log: with a relative L_rec (departure 1), the kept L_rec is the share of
-    theta - theta_0 that Eq. 3's combination of all the candidates leaves unexplained."""
-    if report.get("rec_scale", 1.0) == 1.0 or "rec" not in report["kept_terms"]:
-        return ""
-    return f", Eq. 3 leaves {report['kept_terms']['rec']:.0%} of theta - theta_0 unexplained"
-
-
-# Departure 2, freeze old (`--freeze-old`), point `start`.
+# Departure 2, freeze old (`--freeze-old`).
 # Paper: every candidate starts from noise before every task. Here: the slots of a class
 # reconstructed before keep those candidates and lambdas, fixed; the other slots start from noise.
 # Why: reading a class again from a model trained on its reconstructions compounds errors.
-def start_from_earlier(labels, input_shape, cfg, last=None):
-    x, lam, fixed = random_start(labels, input_shape, cfg)
-    if last is None:
-        return x, lam, fixed
-    earlier_x, earlier_labels, earlier_lam = last
-    for c in earlier_labels.unique():  # the earlier ones fill the first slots of their class
-        slots = (labels == c).nonzero().squeeze(1)
-        earlier = (earlier_labels == c).nonzero().squeeze(1)
+def keep_earlier(labels, x, lam, earlier_x, earlier_labels, earlier_lam):
+    """Fill the first slots of each class read before with its earlier candidates; which are fixed."""
+    fixed = torch.zeros(len(labels), dtype=torch.bool, device=labels.device)
+    for c in earlier_labels.unique():
+        slots, earlier = (labels == c).nonzero().squeeze(1), (earlier_labels == c).nonzero().squeeze(1)
         n = min(len(slots), len(earlier))
         x[slots[:n]], lam[slots[:n]], fixed[slots[:n]] = earlier_x[earlier[:n]], earlier_lam[earlier[:n]], True
-    return x, lam, fixed
+    return fixed
 
 
-# Departure 3, filter (`--filter`), point `select`.
+def less_share_of(net, params, target, x, labels, lam, n):
+    """Fixed candidates add a constant to Eq. 3's sum: take it off the target once."""
+    share = weighted_gradient_sum(net, params, x, labels, lam, n)
+    return {k: target[k] - share[k] for k in target}
+
+
+# Departure 3, filter (`--filter`).
 # Paper: every reconstruction is replayed. Here: those the model files under another class
 # are dropped. Why: they would teach the wrong boundary (App. D.5 suggests filtering).
 @torch.no_grad()
@@ -344,153 +372,100 @@ def classified_as_labelled(model, x, y):
     return model(x).argmax(1) == y
 
 
-# Departure 4, replay noise (`--replay-noise`), point `replayed`.
+# Departure 4, replay noise (`--replay-noise`).
 # Paper: reconstructions are replayed as they are. Here: each time one enters a batch it gets
 # fresh noise N(0, s^2), s = replay_noise times the task's pixel std.
 # Why: the network then files a neighbourhood under the old class, not a prototype.
-def noisy_replay(x, own, cfg):
-    std = (cfg.replay_noise * x[:own].std()).item() if own < len(x) else 0.0  # a float: no device sync
-    gen = torch.Generator(device=x.device).manual_seed(cfg.seed)
+def with_noise(batches, std, device, seed):
+    gen = torch.Generator(device=device).manual_seed(seed)
     if std <= 0:
-        return Extensions().replayed(x, own, cfg)
-
-    def change(xb, rows):
-        replayed = (rows >= own).view(-1, *[1] * (x.dim() - 1))
-        return xb + replayed * std * torch.randn(xb.shape, generator=gen, device=x.device)
-    return change
+        return batches
+    return lambda: ((xb + replayed.view(-1, *[1] * (xb.dim() - 1)) * std * torch.randn(xb.shape, generator=gen,
+                                                                                         device=device), yb, replayed)
+                    for xb, yb, replayed in batches())
 
 
-# Departure 5, inversion term (`--ce-weight`), point `extra_terms`.
+# Departure 5, inversion term (`--ce-weight`).
 # Paper: Eq. 6 alone. Here: plus ce_weight times the candidates' summed cross-entropy.
 # Why: in CIL, Eq. 3 alone loses to model inversion; a little of it draws level.
-def inversion_term(net, params, labels, cfg):
-    return lambda x: {"ce": cfg.ce_weight * F.cross_entropy(functional_call(net, params, (x,)), labels,
-                                                              reduction="sum")}
+def plus_inversion_term(L_full, net, params, labels, weight):
+    return lambda x, lam: {**L_full(x, lam), "ce": weight * F.cross_entropy(functional_call(net, params, (x,)),
+                                                                            labels, reduction="sum")}
 
 
-# Departure 6, Adam (`--rec-optimizer adam`), point `optimizer`.
+# Departure 6, Adam (`--rec-optimizer adam`).
 # Paper: SGD with momentum. Here: Adam with DeepInversion's betas.
 # Why: on deep nets SGD's step follows a gradient whose size spans orders of magnitude.
 def adam(tensor, lr):
     return torch.optim.Adam([tensor], lr=lr, betas=(0.5, 0.9))
 
 
-# Departure 8, local cross-entropy (`--ce-scope new` or `local`, CIL), point `cross_entropy`.
+# Departure 8, local cross-entropy (`--ce-scope new` or `local`, CIL).
 # Paper: every row is scored over every class. Here, "new": the task's own rows over its new
 # classes only; "local": the replayed rows over the old classes only too, and old against new
 # learned by the head alone on features it cannot change (Always Be Dreaming's split).
 # Why: the task's images then never push the old classes' logits down.
-def scoped_cross_entropy(model, xb, yb, own_rows, n_old_classes, cfg, replaying):
-    scope = cfg.ce_scope if replaying or cfg.ce_scope != "local" else "new"  # local needs replayed rows
-    seen, hook = [], None  # with "local": what the head takes in, the features
-    if scope == "local":
-        hook = model.head.register_forward_hook(lambda layer, inputs, out: seen.append(inputs[0]))
+def scoped_cross_entropy(model, xb, yb, replayed, n_old_classes, scope):
+    seen = []  # with "local": what the head takes in, the features
+    hook = model.head.register_forward_hook(lambda layer, inputs, out: seen.append(inputs[0]))
     try:
         logits = model(xb)
     finally:
-        if hook:
-            hook.remove()
-    if not n_old_classes:
-        return logits, F.cross_entropy(logits, yb)
-    old, own = (torch.arange(logits.shape[1], device=logits.device) < n_old_classes)[None], own_rows[:, None]
+        hook.remove()
+    old, own = (torch.arange(logits.shape[1], device=logits.device) < n_old_classes)[None], ~replayed[:, None]
     if scope == "new":
         return logits, F.cross_entropy(logits.masked_fill(own & old, float("-inf")), yb)
     grouped = logits.masked_fill(torch.where(own, old, ~old), float("-inf"))
     return logits, F.cross_entropy(grouped, yb) + F.cross_entropy(model.head(seen[0].detach()), yb)
 
 
-# Departure 9, replay batch (`--replay-batch N`), point `batches`.
+# Departure 9, replay batch (`--replay-batch N`).
 # Paper: the reconstructions join the task's data. Here: an epoch passes over the task's own
 # images and each batch gets N reconstructions drawn at random.
 # Why: the share of replay in a batch and an epoch's cost then stay fixed from task to task.
-def replay_batch(x, y, own, cfg):
-    if own == len(x):
-        return shuffled_batches(x, y, own, cfg)
-    gen = torch.Generator(device=x.device).manual_seed(cfg.seed + 1)
-    loader = data.loader(torch.arange(own, device=x.device), y[:own], cfg.batch_size, seed=cfg.seed)
-    return lambda: (torch.cat([rows, own + torch.randint(len(x) - own, (cfg.replay_batch,), generator=gen,
-                                                         device=x.device)]) for rows, _ in loader)
+def replay_in_every_batch(x, own, batch_size, n, seed):
+    gen = torch.Generator(device=x.device).manual_seed(seed + 1)
+    loader = data.loader(torch.arange(own, device=x.device), torch.zeros(own), batch_size, seed=seed)
+    return lambda: (torch.cat([rows, own + torch.randint(len(x) - own, (n,), generator=gen, device=x.device)])
+                    for rows, _ in loader)
 
 
-# Departure 11, backtracking (`--backtrack`), point `keep_step`.
+# Departure 11, backtracking (`--backtrack`), in `reconstruct`.
 # Paper: every step is kept. Here: a step that raised L_full is undone, momentum and all, and
-# the step sizes halve; the pass after an undo only rescores the restored state, unjudged.
+# the step sizes halve; the pass after an undo only rescores the restored state.
 # Why: a step size that overshoots then costs steps, not the reconstruction.
-def backtrack(losses, best, tensors, optimizers, memo):
-    if best is None or memo.pop("undone", False) or losses[-1] <= best[0]:
-        return True
+def step_back(x, lam, best, optimizers):
+    """Restore the best candidates and lambdas, reset and halve the optimisers; the best loss."""
     with torch.no_grad():
-        for tensor, kept in zip(tensors, best[1:3]):
-            tensor.copy_(kept)
+        x.copy_(best[1])
+        lam.copy_(best[2])
     for opt in optimizers:
         opt.state.clear()
         opt.param_groups[0]["lr"] /= 2
-    losses[-1], memo["undone"], memo["backtracks"] = best[0], True, memo.get("backtracks", 0) + 1
-    return False
+    return best[0]
 
 
-DEPARTURES = {  # name: (the docs' number, extension point, function, whether a run has it on)
-    "displacement target": (1, "target", displacement_target, lambda cfg: cfg.rec_target == "displacement"),
-    "freeze old": (2, "start", start_from_earlier, lambda cfg: bool(cfg.freeze_old)),
-    "filter": (3, "select", classified_as_labelled, lambda cfg: bool(cfg.filter)),
-    "replay noise": (4, "replayed", noisy_replay, lambda cfg: bool(cfg.replay_noise)),
-    "inversion term": (5, "extra_terms", inversion_term, lambda cfg: bool(cfg.ce_weight)),
-    "adam": (6, "optimizer", adam, lambda cfg: cfg.rec_optimizer == "adam"),
-    "local cross-entropy": (8, "cross_entropy", scoped_cross_entropy, lambda cfg: cfg.ce_scope != "all"),
-    "replay batch": (9, "batches", replay_batch, lambda cfg: bool(cfg.replay_batch)),
-    "backtracking": (11, "keep_step", backtrack, lambda cfg: bool(cfg.backtrack)),
-}
-
-
-# The inversion control (`--rec-objective inversion`, the +inversion variant), point `loss`:
-# is it Eq. 3 that makes the candidates useful, or would any optimisation that makes the
-# model recognise them as their labels do? Model inversion (Simonyan et al. 2014) asks only
-# the second: L_inv = sum_i CE(f(x_i), y_i) + L_prior over the same candidates, labels,
-# optimiser, steps, filter and replay; no lambdas, no stationarity condition.
-def inversion_loss(net, params, labels, *unused):
+# The inversion control (`--rec-objective inversion`, the +inversion variant): is it Eq. 3
+# that makes the candidates useful, or would any optimisation that makes the model recognise
+# them as their labels do? Model inversion (Simonyan et al. 2014) asks only the second:
+# L_inv = sum_i CE(f(x_i), y_i) + L_prior, over the same candidates, labels, optimiser, steps,
+# filter and replay; no lambdas, no stationarity condition.
+def inversion_loss(net, params, labels):
     return lambda x, lam: {"ce": F.cross_entropy(functional_call(net, params, (x,)), labels, reduction="sum"),
                            "prior": image_prior(x)}
 
 
-def extensions(cfg):
-    """The paper's steps with the departures this run has on, and the control's loss."""
-    on = {point: function for _, point, function, has in DEPARTURES.values() if has(cfg)}
-    return Extensions(**on, **({"loss": inversion_loss} if cfg.variant == "inversion" else {}))
-
-
-def run_jointly(cfg, tasks, log=print):
-    """The upper bound (`--method joint`): one model trained on every task's training images
-    at once. Its record has one row of test accuracies; BWT and ReCL do not apply."""
-    started = time.time()
-    torch.manual_seed(cfg.seed)
-    tasks = [data.Task(t.classes, *(v.to(cfg.device) for v in t[1:])) for t in tasks]
-    n_outputs = len(tasks[0].classes) * (len(tasks) if cfg.scenario == "cil" else 1)
-    model = models.build_model(cfg.model, tasks[0].x_train.shape[1:], n_outputs).to(cfg.device)
-    x, y = torch.cat([t.x_train for t in tasks]), torch.cat([t.y_train for t in tasks])
-    acc, row, diverged = None, None, None
-    try:
-        loss = train_task(model, x, y, {}, {}, cfg)
-        row = [accuracy(model, t.x_test, t.y_test) for t in tasks]
-        acc = sum(row) / len(row)
-        log(f"  [joint] all {len(tasks)} tasks at once: loss {loss:.3f}, acc {' '.join(f'{a:.1f}' for a in row)}")
-    except Diverged as err:
-        diverged = str(err)
-        log(f"  [joint] diverged, {err}")
-    return record_of(cfg, [row], acc, None, diverged, [], [], started)
+def in_bfloat16(L_full, device):
+    """L_full with its products in bfloat16 (summed in float32): not a departure in what is computed."""
+    def loss(x, lam):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            return L_full(x, lam)
+    return loss
 
 
 # =============================================================================
-# 3. Small helpers, and what a run records
+# 4. Records, and the command line
 # =============================================================================
-
-def descend(loss, optimizers):
-    """One step of each optimiser on `loss`."""
-    for opt in optimizers:
-        opt.zero_grad()
-    loss.backward()
-    for opt in optimizers:
-        opt.step()
-
 
 class Diverged(Exception):
     """Training produced a non-finite loss; the run's numbers would be meaningless."""
@@ -500,37 +475,82 @@ def detached(terms):
     return {k: v.detach() for k, v in terms.items()}
 
 
-def noted(report, t, kept, started, name, log):
-    """Log what the reconstruction before task t + 1 did; its entry in the run's record."""
-    log(f"  [{name}] task {t + 1}: reconstructed {kept}/{report['candidates']}, "
-        f"loss {report['first_loss']:.4g} -> {report['kept_loss']:.4g}" + unexplained(report)
-        + (f", FLAGGED: {report['failed']} (kept its lowest-loss candidates)" if report["failed"] else ""))
-    return {"task": t + 1, **report, "kept": kept, "seconds": round(time.time() - started, 2)}
-
-
-def reconstruction_report(losses, best, first_terms, backtracks=0):
-    """What a reconstruction did: the loss at its start, of the candidates it kept, and at its
-    last step; and why it failed, if it did: it diverged (a loss that turned non-finite, or a
-    last step above the start), or no step lowered the loss. `backtracks`: steps undone."""
+def reconstruction_report(losses, best, first_terms):
+    """The loss at the start, of the kept candidates and of the last step; and why the
+    reconstruction failed, if it did: it diverged, or no step lowered the loss."""
     first, last = losses[0], losses[-1]
     failed = (f"diverged at step {len(losses) - 1}" if not math.isfinite(last)
               else f"diverged: the last step's loss {last:.4g} is above the start's {first:.4g}" if last > first
               else "no step lowered the loss" if best[0] >= first else None)
     return {"steps": len(losses) - 1, "first_loss": first, "kept_loss": best[0], "last_step_loss": last,
             "first_terms": {k: v.item() for k, v in first_terms.items()},
-            "kept_terms": {k: v.item() for k, v in best[3].items()}, "backtracks": backtracks, "failed": failed}
+            "kept_terms": {k: v.item() for k, v in best[3].items()}, "failed": failed}
 
 
-def record_of(cfg, R, acc, bwt, diverged, reconstructions, recon_quality, started):
+def noted(report, t, kept, started, name, log):
+    """Log what the reconstruction before task t + 1 did; its entry in the run's record."""
+    left = (f", Eq. 3 leaves {report['kept_terms']['rec']:.0%} of theta - theta_0 unexplained"  # departure 1
+            if report["rec_scale"] != 1.0 and "rec" in report["kept_terms"] else "")
+    log(f"  [{name}] task {t + 1}: reconstructed {kept}/{report['candidates']}, "
+        f"loss {report['first_loss']:.4g} -> {report['kept_loss']:.4g}{left}"
+        + (f", FLAGGED: {report['failed']} (kept its lowest-loss candidates)" if report["failed"] else ""))
+    return {"task": t + 1, **report, "kept": kept, "seconds": round(time.time() - started, 2)}
+
+
+def record_of(cfg, R, acc, bwt, diverged, reconstructions, quality, started):
     """A run's record: its accuracy matrix, ACC, BWT and what each reconstruction did."""
     return {"method": cfg.method, "variant": cfg.variant, "recl": cfg.variant != "base", "scenario": cfg.scenario,
             "seed": cfg.seed, "acc_matrix": R, "ACC": acc, "BWT": bwt, "diverged": diverged,
-            "reconstructions": reconstructions, "recon_quality": recon_quality,
+            "reconstructions": reconstructions, "recon_quality": quality,
             "failed_reconstructions": sum(bool(r["failed"]) for r in reconstructions),
             "seconds": round(time.time() - started, 2),
             "phase_seconds": {"reconstruct": round(sum(r["seconds"] for r in reconstructions), 2)}}
 
 
-if __name__ == "__main__":  # the command line lives in cli.py
-    import cli
-    cli.run_from_command_line(cli.main, "recl.py")
+def main(argv=None):
+    """Flags -> checked -> one Config per seed and variant -> data and memory checked for all
+    -> run_continual each -> its JSON, config.result_path(...), written atomically."""
+    args = config.make_parser().parse_args(argv)
+    config.provenance()  # the code this process loaded, named now
+    config.check(args)
+    log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
+    runs = [config.resolve(args, seed, variant) for seed in range(args.seed, args.seed + (args.seeds or 1))
+            for variant in config.variants(args)]
+    for i, cfg in enumerate(runs):  # every run checked before any task trains
+        if i == 0 or cfg.seed != runs[i - 1].seed:
+            tasks, _, _, left_out = config.make_tasks(cfg)
+            if left_out:
+                print(f"note: seed {cfg.seed} leaves out class(es) {left_out}: they fill no whole task", flush=True)
+        config.check_tasks(tasks, cfg)
+    failed, loaded = [], None
+    for cfg in runs:
+        name, path = config.variant_name(cfg.method, cfg.variant), config.result_path(args.out, cfg)
+        if args.skip_done and path.exists():
+            print(f"{name} {cfg.scenario} seed {cfg.seed}: done before, skipped -> {path}", flush=True)
+            continue
+        if loaded is None or loaded[0] != cfg.seed:
+            loaded = (cfg.seed, *config.make_tasks(cfg))
+        _, tasks, class_order, mean_image, left_out = loaded
+        log(f"{config.describe(cfg)} | class order {class_order}")
+        images = path if args.save_images else None  # the images are named like the JSON
+        judge = lambda old, x, y: judging.report_reconstruction(name, old, x, cfg, mean_image, images, log, y)
+        search = lambda with_cfg, old, c, log: judging.search_reconstruction(with_cfg, old, c, log, mean_image)
+        record = run_continual(cfg, tasks, log, judge, search)
+        record.update(dataset=config.dataset_name(cfg.dataset), class_order=class_order, classes_left_out=left_out,
+                      config=dataclasses.asdict(cfg), digest=config.digest(cfg), provenance=config.provenance(),
+                      **({"dataset_sha256": config.file_sha256(cfg.dataset)} if cfg.dataset.endswith(".pt") else {}))
+        config.write_json_atomically(path, record)
+        if record["diverged"]:
+            failed.append(f"{name} {cfg.scenario} seed {cfg.seed} diverged: {record['diverged']} (lr {cfg.lr:g}); "
+                          f"marked so in {path}, never averaged")
+            continue
+        bwt, flagged = "n/a" if record["BWT"] is None else f"{record['BWT']:.2f}", record["failed_reconstructions"]
+        print(f"{name} {cfg.scenario} seed {cfg.seed}: ACC {record['ACC']:.2f} BWT {bwt} in {record['seconds']:.0f}s"
+              + (f", {flagged} of {len(record['reconstructions'])} reconstructions FLAGGED (see the "
+                 f"{'JSON' if args.quiet else 'log'})" if flagged else "") + f" -> {path}", flush=True)
+    if failed:
+        raise config.RunFailed("; ".join(failed))
+
+
+if __name__ == "__main__":
+    config.run_from_command_line(main, "recl.py")
