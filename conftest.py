@@ -113,10 +113,10 @@ def fake_record(method, variant, seed, acc, bwt, scenario="cil", **settings):
             "phase_seconds": {"reconstruct": 0.0}, "diverged": None}
 
 
-def command(*words, env=None, cwd=HERE, timeout=300):
+def command(*words, env=None, cwd=HERE, timeout=300, input=None):
     """A process's exit code, stdout and stderr."""
     done = subprocess.run([str(w) for w in words], capture_output=True, text=True, cwd=cwd, timeout=timeout,
-                          env={**ONE_THREAD, **(env or {})})
+                          env={**ONE_THREAD, **(env or {})}, input=input)
     return done.returncode, done.stdout, done.stderr
 
 

@@ -120,7 +120,7 @@ def reconstruct(L_full, x, lam, optimizers, steps, log=print, backtrack=False):
             terms = L_full(x, lam)
             loss = sum(terms.values())
         losses.append(loss.item())
-        first_terms = detached(terms) if step == 0 else first_terms
+        first_terms = {k: v.detach() for k, v in terms.items()} if step == 0 else first_terms
         undo = backtrack and best is not None and not undone and not losses[-1] <= best[0]  # departure 11
         if undo:
             losses[-1] = step_back(x, lam, best, optimizers)
@@ -132,7 +132,7 @@ def reconstruct(L_full, x, lam, optimizers, steps, log=print, backtrack=False):
         if not math.isfinite(losses[-1]):
             break
         if best is None or losses[-1] < best[0]:  # keep the lowest loss seen
-            best = (losses[-1], x.detach().clone(), lam.detach().clone(), detached(terms))
+            best = (losses[-1], x.detach().clone(), lam.detach().clone(), {k: v.detach() for k, v in terms.items()})
         if step < steps:
             for opt in optimizers:
                 opt.zero_grad()
@@ -140,7 +140,7 @@ def reconstruct(L_full, x, lam, optimizers, steps, log=print, backtrack=False):
             for opt in optimizers:
                 opt.step()
     if best is None:  # not even the start has a finite loss: hand back the start, flagged
-        best = (losses[0], x.detach(), lam.detach(), detached(terms))
+        best = (losses[0], x.detach(), lam.detach(), first_terms)
     return best[1], best[2], {**reconstruction_report(losses, best, first_terms), "backtracks": backtracks}
 
 
@@ -457,10 +457,7 @@ def inversion_loss(net, params, labels):
 
 def in_bfloat16(L_full, device):
     """L_full with its products in bfloat16 (summed in float32): not a departure in what is computed."""
-    def loss(x, lam):
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            return L_full(x, lam)
-    return loss
+    return torch.autocast(device.type, dtype=torch.bfloat16)(L_full)
 
 
 # =============================================================================
@@ -469,10 +466,6 @@ def in_bfloat16(L_full, device):
 
 class Diverged(Exception):
     """Training produced a non-finite loss; the run's numbers would be meaningless."""
-
-
-def detached(terms):
-    return {k: v.detach() for k, v in terms.items()}
 
 
 def reconstruction_report(losses, best, first_terms):
