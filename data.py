@@ -1,16 +1,12 @@
-"""Data for continual learning: load images, split them into tasks.
+"""Data for continual learning: load images into memory as tensors, split them into tasks.
 
-Everything lives in memory as tensors. A task is a `Task` (its classes plus
-train and test tensors); loaders are plain DataLoaders over TensorDatasets.
-
-The offline default is SplitMNIST built from `data/mnist_5k.csv.gz`, 5,000 real
-MNIST images (500 per digit) shipped with the project. The full MNIST, CIFAR10
-and TinyImageNet are read from their usual on-disk formats under a data root
-(and downloaded there when the machine is online); any other dataset can come
-as a `.pt` file (see `load_tensor_file`).
+The offline default is SplitMNIST from `data/mnist_5k.csv.gz`, real MNIST images shipped
+with the project. Other datasets are read from their usual on-disk formats under a data root
+(downloaded there when online), or from a `.pt` file (see `load_tensor_file`).
 """
 import gzip
 import hashlib
+import pickle
 from pathlib import Path
 from typing import NamedTuple
 
@@ -38,10 +34,8 @@ _PARSED = {}  # sha256 of a CSV file -> its images and labels: parsed once per p
 
 
 def load_mnist_subset(path=MNIST_SUBSET):
-    """The shipped CSV: one image per line, 784 pixels (0-255) then the label.
-
-    Returns uint8 images [N, 1, 28, 28] and int64 labels [N].
-    """
+    """The shipped CSV, one image per line (784 pixels 0-255, then the label), as uint8 images
+    [N, 1, 28, 28] and int64 labels [N]."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"MNIST subset not found at {path}; it ships with the project "
@@ -50,20 +44,18 @@ def load_mnist_subset(path=MNIST_SUBSET):
     digest = hashlib.sha256(raw).hexdigest()
     if path == MNIST_SUBSET and digest != MNIST_SUBSET_SHA256:
         raise DataError(f"{path} is corrupt (sha256 mismatch); restore it with `git checkout -- data`")
-    if digest in _PARSED:  # a run_all.sh worker (several runs in one process) loads it once per run
-        images, labels = _PARSED[digest]
-        return images.clone(), labels.clone()
-    try:
-        rows = gzip.decompress(raw).decode().split()
-        values = torch.tensor([int(v) for row in rows for v in row.split(",")])
-        table = values.view(len(rows), 785)
-    except (OSError, EOFError, ValueError, RuntimeError) as err:
-        raise DataError(f"{path} is not a gzip CSV of 785 integers per line ({err})") from None
-    images, labels = table[:, :784], table[:, 784]
-    if images.min() < 0 or images.max() > 255 or labels.min() < 0 or labels.max() > 9:
-        raise DataError(f"{path} has pixel values outside 0-255 or labels outside 0-9")
-    _PARSED[digest] = images.to(torch.uint8).view(-1, 1, 28, 28), labels
-    return _PARSED[digest][0].clone(), labels.clone()
+    if digest not in _PARSED:  # a run_all.sh worker (several runs in one process) parses it once
+        try:
+            rows = gzip.decompress(raw).decode().split()
+            values = torch.tensor([int(v) for row in rows for v in row.split(",")])
+            table = values.view(len(rows), 785)
+        except (OSError, EOFError, ValueError, RuntimeError) as err:
+            raise DataError(f"{path} is not a gzip CSV of 785 integers per line ({err})") from None
+        images, labels = table[:, :784], table[:, 784]
+        if images.min() < 0 or images.max() > 255 or labels.min() < 0 or labels.max() > 9:
+            raise DataError(f"{path} has pixel values outside 0-255 or labels outside 0-9")
+        _PARSED[digest] = images.to(torch.uint8).view(-1, 1, 28, 28), labels
+    return _PARSED[digest][0].clone(), _PARSED[digest][1].clone()
 
 
 def per_class(labels, c, n, generator):
@@ -80,29 +72,22 @@ def take_per_class(labels, classes, n, generator):
     for c in classes:
         idx = per_class(labels, c, None, generator)
         if len(idx) <= n:
-            raise DataError(f"class {c} has {len(idx)} images; {n} per class for training "
-                            f"leaves none to test on")
-        chosen.append(idx[:n])
-        rest.append(idx[n:])
+            raise DataError(f"class {c} has {len(idx)} images; {n} per class for training leaves none to test on")
+        chosen.append(idx[:n]), rest.append(idx[n:])
     return torch.cat(chosen), torch.cat(rest)
 
 
 def split_into_tasks(x_train, y_train, x_test, y_test, class_order, classes_per_task, scenario):
-    """Cut the class order into tasks and relabel.
-
-    CIL: a class's label is its position in the class order (task 1 owns 0..k-1,
-    task 2 owns k..2k-1, ...), so the head grows by k outputs per task.
-    DIL: every task is relabelled to 0..k-1 and one head of k outputs is shared.
-    """
+    """Cut the class order into tasks and relabel. CIL: a class's label is its position in the
+    class order (task 1 owns 0..k-1, task 2 k..2k-1, ...), so the head grows by k outputs per task.
+    DIL: every task is relabelled to 0..k-1 and one head of k outputs is shared."""
     tasks = []
     for start in range(0, len(class_order), classes_per_task):
         classes = class_order[start:start + classes_per_task]
-
         def select(x, y):
             mask = torch.isin(y, torch.tensor(classes))
             position = {c: (start if scenario == "cil" else 0) + j for j, c in enumerate(classes)}
             return x[mask], torch.tensor([position[int(c)] for c in y[mask]])
-
         tasks.append(Task(classes, *select(x_train, y_train), *select(x_test, y_test)))
     return tasks
 
@@ -116,19 +101,15 @@ def read_idx(path):
         raw = gzip.decompress(raw)
     if len(raw) < 4 or raw[:2] != b"\0\0" or raw[2] != 0x08:
         raise DataError(f"{path} is not an unsigned-byte IDX file")
-    ndim = raw[3]
-    shape = [int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim)]
-    body = raw[4 + 4 * ndim:]
+    shape = [int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(raw[3])]  # raw[3]: the dimensions
+    body = raw[4 + 4 * len(shape):]
     if len(body) != torch.Size(shape).numel():
         raise DataError(f"{path} is truncated: header says {shape}")
     return torch.frombuffer(bytearray(body), dtype=torch.uint8).view(shape)
 
 
 def find_file(folder, stem):
-    for name in (stem, stem + ".gz"):
-        if (Path(folder) / name).is_file():
-            return Path(folder) / name
-    return None
+    return next((p for p in (Path(folder) / stem, Path(folder) / (stem + ".gz")) if p.is_file()), None)
 
 
 def fetch(name, root, download, explain=None):
@@ -166,15 +147,12 @@ def load_mnist_full(root):
     return read_idx_dataset(raw)
 
 
-# Debian and Ubuntu package Fashion-MNIST's original files as data, offline:
-# `apt-get install dataset-fashion-mnist` puts them here.
-DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
+DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")  # `apt-get install dataset-fashion-mnist`
 
 
 def load_fashion_mnist(root):
-    """Fashion-MNIST (Xiao et al. 2017): 60,000 training and 10,000 test images of
-    clothing in 10 classes, in MNIST's IDX format, from torchvision's folder under
-    `root` or the Debian package's; downloaded by torchvision when online."""
+    """Fashion-MNIST (Xiao et al. 2017), clothing in 10 classes in MNIST's IDX format, from
+    torchvision's folder under `root` or the Debian/Ubuntu package's (offline)."""
     for folder in (Path(root) / "FashionMNIST" / "raw", DEBIAN_FASHION_MNIST):
         if all(find_file(folder, s) for s in IDX_STEMS):
             return read_idx_dataset(folder)
@@ -186,12 +164,10 @@ def load_fashion_mnist(root):
     return read_idx_dataset(Path(root) / "FashionMNIST" / "raw")
 
 
-# CIFAR10's python batches are pickles, and a pickle may name any function to
-# call while it loads. A crafted file under --data-root must not run code, so
-# the batches are read by an unpickler that knows only the few names a batch
-# holds: numpy's array, its dtype and their rebuilders (old and new numpy
-# spellings), and the codec Python 2 strings come back through. Dicts, lists,
-# ints, strings and bytes need no names at all.
+# CIFAR10's python batches are pickles, and a pickle may name any function to call while it
+# loads. A crafted file under --data-root must not run code, so the batches are read by an
+# unpickler that knows only the names a batch holds: numpy's array, its dtype and their
+# rebuilders (old and new numpy spellings), and the codec Python 2 strings come back through.
 PICKLE_ALLOWED = {("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode"),
                   ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
                   ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer")}
@@ -201,33 +177,26 @@ class RefusedPickle(Exception):
     pass
 
 
-def load_array_pickle(file):
-    """pickle.load for files that hold only arrays, lists, strings and bytes."""
-    import pickle
-
-    class ArraysOnly(pickle.Unpickler):
-        def find_class(self, module, name):
-            if (module, name) not in PICKLE_ALLOWED:
-                raise RefusedPickle(f"it asks to call {module}.{name}, which a CIFAR10 batch never does; "
-                                    f"refused, nothing was run")
-            return super().find_class(module, name)
-
-    return ArraysOnly(file, encoding="bytes").load()
+class ArraysOnly(pickle.Unpickler):
+    """An unpickler for files that hold only arrays, lists, strings and bytes."""
+    def find_class(self, module, name):
+        if (module, name) not in PICKLE_ALLOWED:
+            raise RefusedPickle(f"it asks to call {module}.{name}, which a CIFAR10 batch never does; "
+                                f"refused, nothing was run")
+        return super().find_class(module, name)
 
 
 def load_cifar10(root):
-    import pickle
     folder = Path(root) / "cifar-10-batches-py"
     if not folder.is_dir():
         import torchvision
         fetch("CIFAR10", root, lambda: torchvision.datasets.CIFAR10(root, download=True))
-
     def batches(names):
         xs, ys = [], []
         for name in names:
             try:
                 with open(folder / name, "rb") as f:
-                    batch = load_array_pickle(f)
+                    batch = ArraysOnly(f, encoding="bytes").load()
                 xs.append(torch.as_tensor(batch[b"data"], dtype=torch.uint8).view(-1, 3, 32, 32))
                 ys.append(torch.tensor(batch[b"labels"]))
             except RefusedPickle as err:
@@ -236,7 +205,6 @@ def load_cifar10(root):
                     ValueError, AttributeError) as err:
                 raise DataError(f"{folder / name} is missing or not a CIFAR10 batch ({err})") from None
         return torch.cat(xs), torch.cat(ys)
-
     return (*batches([f"data_batch_{i}" for i in range(1, 6)]), *batches(["test_batch"]))
 
 
@@ -244,11 +212,8 @@ TINYIMAGENET_URL = "http://cs231n.stanford.edu/tiny-imagenet-200.zip"
 
 
 def load_tinyimagenet(root, n_classes=40):
-    """The tiny-imagenet-200 layout; like the paper, a fixed subset of 40 classes.
-
-    Train images come from train/<wnid>/images/, test images are the labelled
-    validation images (val/val_annotations.txt), since the test labels are secret.
-    """
+    """The tiny-imagenet-200 layout; like the paper, a fixed subset of 40 classes. Test images are
+    the labelled validation images (val/val_annotations.txt): the test labels are secret."""
     from PIL import Image
     from torchvision.transforms.functional import pil_to_tensor
     folder = Path(root) / "tiny-imagenet-200"
@@ -260,22 +225,18 @@ def load_tinyimagenet(root, n_classes=40):
     x_train, y_train = [], []
     for label, wnid in enumerate(wnids):
         for p in sorted((folder / "train" / wnid / "images").iterdir()):
-            x_train.append(read(p))
-            y_train.append(label)
+            x_train.append(read(p)), y_train.append(label)
     x_test, y_test = [], []
     for line in (folder / "val" / "val_annotations.txt").read_text().splitlines():
         file, wnid = line.split("\t")[:2]
         if wnid in wnids:
-            x_test.append(read(folder / "val" / "images" / file))
-            y_test.append(wnids.index(wnid))
+            x_test.append(read(folder / "val" / "images" / file)), y_test.append(wnids.index(wnid))
     return torch.stack(x_train), torch.tensor(y_train), torch.stack(x_test), torch.tensor(y_test)
 
 
 def load_tensor_file(path):
-    """A user's dataset: torch.save({"x_train", "y_train", "x_test", "y_test"}, path).
-
-    x: [N, C, H, W] or [N, D], uint8 (0-255) or float (0-1); y: int64 labels 0..K-1.
-    """
+    """A user's dataset: torch.save({"x_train", "y_train", "x_test", "y_test"}, path), x [N, C, H, W]
+    or [N, D], uint8 (0-255) or float (0-1); y integer labels 0..K-1."""
     if Path(path).is_dir():
         raise DataError(f"{path} is a folder, not a file saved with torch.save")
     try:
@@ -304,7 +265,8 @@ def load_tensor_file(path):
         if len(y) and y.min() < 0:
             raise DataError(f"{path}: y_{split} has negative labels")
         if split == "train" and not torch.equal(y.unique(), torch.arange(len(y.unique()))):
-            raise DataError(f"{path}: y_train must use the labels 0..K-1, each at least once; got {y.unique().tolist()}")
+            raise DataError(f"{path}: y_train must use the labels 0..K-1, each at least once; "
+                            f"got {y.unique().tolist()}")
         unseen = [c for c in y.unique().tolist() if c >= len(parts[1].unique())] if split == "test" else []
         if unseen:
             raise DataError(f"{path}: y_test has labels that y_train lacks: {unseen}")
@@ -315,9 +277,8 @@ def load_tensor_file(path):
     if parts[0].shape[1:] != parts[2].shape[1:]:
         raise DataError(f"{path}: train images {list(parts[0].shape[1:])} and test images "
                         f"{list(parts[2].shape[1:])} differ in shape")
-    x_train, y_train, x_test, y_test = parts
     as_images = lambda x: x if x.dim() == 4 else x[:, None, None, :]
-    return as_images(x_train), y_train.long(), as_images(x_test), y_test.long()
+    return as_images(parts[0]), parts[1].long(), as_images(parts[2]), parts[3].long()
 
 
 LOADERS = {"mnist-full": load_mnist_full, "fashion-mnist": load_fashion_mnist, "cifar10": load_cifar10,
@@ -328,23 +289,18 @@ DATASETS = ["mnist", *LOADERS]
 def load(dataset, data_root="data"):
     """Raw images [N, C, H, W] (uint8 or float in [0, 1]) and labels; mnist has no test split."""
     if dataset == "mnist":
-        images, labels = load_mnist_subset()
-        return images, labels, None, None
+        return (*load_mnist_subset(), None, None)
     if dataset in LOADERS:
         return LOADERS[dataset](data_root)
     return load_tensor_file(dataset)
 
 
 def make_tasks(dataset, seed, n_per_class=100, scenario="cil", classes_per_task=2, data_root="data"):
-    """Split a dataset into tasks, as in the paper (Sec. 5, App. C).
-
-    Per seed: shuffle the class order, take `n_per_class` training images per
-    class (None: all of them), test on the test images of the same classes (for
-    the shipped MNIST subset, on its held-out images). Pixels are scaled to
-    [0, 1] and the training mean image is subtracted, so values lie in [-1, 1],
-    the range the reconstruction prior (Eq. 5) assumes. Classes that do not fill
-    a whole task are left out: the fourth value names them.
-    """
+    """Split a dataset into tasks, as in the paper (Sec. 5, App. C). Per seed: shuffle the class order,
+    take `n_per_class` training images per class (None: all), test on the test images of the same
+    classes (for the shipped MNIST subset, its held-out images). Pixels are scaled to [0, 1] and the
+    training mean image is subtracted, so values lie in [-1, 1], the range the reconstruction prior
+    (Eq. 5) assumes. Classes that fill no whole task are left out: the fourth value names them."""
     x_train, y_train, x_test, y_test = load(dataset, data_root)
     generator = torch.Generator().manual_seed(seed)
     classes = torch.unique(y_train)
@@ -370,11 +326,8 @@ def make_tasks(dataset, seed, n_per_class=100, scenario="cil", classes_per_task=
 
 
 def validation_split(tasks, fraction=0.2, seed=0):
-    """Tasks whose test set is a held-out `fraction` of their own training images.
-
-    For tuning hyperparameters (tools/tune.py): the real test images are dropped,
-    so nothing chosen on these tasks has seen them.
-    """
+    """Tasks whose test set is a held-out `fraction` of their own training images, for tuning
+    (tools/tune.py): the real test images are dropped, so nothing chosen here has seen them."""
     generator = torch.Generator().manual_seed(seed)
     split = []
     for task in tasks:
@@ -383,8 +336,7 @@ def validation_split(tasks, fraction=0.2, seed=0):
         if n_val >= len(order):
             raise DataError(f"a task with {len(order)} training images cannot spare {n_val} for validation")
         val, train = order[:n_val], order[n_val:]
-        split.append(Task(task.classes, task.x_train[train], task.y_train[train],
-                          task.x_train[val], task.y_train[val]))
+        split.append(Task(task.classes, task.x_train[train], task.y_train[train], task.x_train[val], task.y_train[val]))
     return split
 
 

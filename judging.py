@@ -1,17 +1,13 @@
-"""Judging a reconstruction: how close are the candidates to the real old images? And the
-search of Sec. 4.3, which picks a reconstruction by a score (at the end).
-
-Reporting only: training never sees these real images (the supervised search, an
-ablation that stores a few of them, is the one exception). App. D.5 in three steps:
-  1. standardise both sets (each image minus its set's mean image, over the
-     set's spread) and match each real image to its nearest candidate by L2;
+"""Judging a reconstruction: how close are the candidates to the real old images? And the search
+of Sec. 4.3, which picks a reconstruction by a score (at the end). Reporting only: training never
+sees these real images (except in the supervised search, an ablation). App. D.5 in three steps:
+  1. standardise both sets (each image minus its set's mean image, over the set's spread)
+     and match each real image to its nearest candidate by L2;
   2. add the training mean image back and stretch each image to [0, 1];
   3. SSIM of each pair. Haim et al. (2022) count SSIM > 0.4 as recovered.
-One change to step 2: the paper adds the mean to the *standardised*
-candidates, which have lost their set's mean image and have unit spread, so
-even exact copies of the real images would score well below 1. We first give
-the standardised candidates the real set's mean image and spread; the score
-then ignores only their overall scale and offset (test_recl.py checks both).
+One change to step 2: the paper adds the mean to the *standardised* candidates, so even
+exact copies of the real images would score well below 1. We first give them the real set's
+mean image and spread; the score then ignores only their overall scale and offset.
 """
 import dataclasses
 import math
@@ -19,7 +15,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 
 
 def ssim(a, b, window=11, sigma=1.5):
@@ -49,8 +44,7 @@ def nearest_candidates(reference, candidates):
 
 def on_reference_scale(candidates, reference):
     """Standardised candidates with the reference set's mean image and spread."""
-    centred = reference - reference.mean(0)
-    return standardise(candidates) * centred.std() + reference.mean(0)
+    return standardise(candidates) * (reference - reference.mean(0)).std() + reference.mean(0)
 
 
 def as_picture(x, mean_image):
@@ -79,10 +73,9 @@ def save_pairs(path, reference, candidates, nearest, mean_image, n=32):
 
 
 def judge_reconstruction(old_tasks, x_rec, cfg, mean_image):
-    """SSIM of the old real images with their nearest reconstructions, and for comparison
-    with two other sets of as many images: the random candidates the reconstruction
-    started from (a floor) and held-out real images of the old classes (what a perfect
-    look-alike of the data, not a copy, would score)."""
+    """SSIM of the old real images with their nearest reconstructions, and of as many random
+    candidates the reconstruction started from (a floor) and held-out real images of the old
+    classes (what a perfect look-alike of the data, not a copy, would score)."""
     real = torch.cat([t.x_train for t in old_tasks])
     mean_image = mean_image.to(real.device)
     # the noise the candidates started from: the same draw as recl.random_start
@@ -100,10 +93,10 @@ def judge_reconstruction(old_tasks, x_rec, cfg, mean_image):
 
 
 def report_reconstruction(name, old_tasks, x_rec, cfg, mean_image, image_path=None, log=print, labels=None):
-    """Log how close the reconstructions made before task len(old_tasks) + 1 are, and, given
-    the run's JSON path RUN.json as `image_path`, save their image grid as RUN-taskT.png
-    and RUN-taskT.pt: the candidates as the network takes them ("x"), as pixels in [0, 1]
-    ("pixels", the training mean image added back) and their labels; returns the figures."""
+    """Log how close the reconstructions made before task len(old_tasks) + 1 are; given the run's
+    JSON path RUN.json as `image_path`, save their image grid as RUN-taskT.png and RUN-taskT.pt:
+    the candidates as the network takes them ("x"), as pixels in [0, 1] (the training mean image
+    added back) and their labels. Returns the figures."""
     task = len(old_tasks) + 1
     quality, real, nearest, mean_image = judge_reconstruction(old_tasks, x_rec, cfg, mean_image)
     log(f"  [{name}] task {task}: SSIM to nearest real image {quality['mean_ssim']:.3f} "
@@ -119,14 +112,11 @@ def report_reconstruction(name, old_tasks, x_rec, cfg, mean_image, image_path=No
     return {"task": task, **quality}
 
 
-# =============================================================================
-# Tuning the reconstruction during training (Sec. 4.3)
-# =============================================================================
-# naive: the run's own values. unsup: a random search before each task, keeping the
-# trial with the lowest final L_full (no old data needed). sup: scored by SSIM against
-# a few stored real old images (an ablation). Trial 1 is the run's own values; each draw
-# is log-uniform within a factor of them, where App. B.3 gives fixed ranges
-# (docs/departures.md, "The search space of Sec. 4.3").
+# --- Tuning the reconstruction during training (Sec. 4.3) ----------------------------------
+# naive: the run's own values. unsup: a random search before each task, keeping the trial with
+# the lowest final L_full (no old data needed). sup: scored by SSIM against a few stored real old
+# images (an ablation). Trial 1 is the run's own values; each draw is log-uniform within a factor
+# of them, where App. B.3 gives fixed ranges (docs/departures.md, "The search space of Sec. 4.3").
 SEARCH_SPACE = {"sigma_x": 10.0, "lr_x": 10.0, "lr_lambda": 10.0, "lambda_min": 3.0, "alpha": 3.0}
 
 
@@ -150,13 +140,6 @@ def sample_hyperparameters(gen, centre):
             for name in centre}
 
 
-def reference_buffer(old_tasks, fraction, seed):
-    """A few real images of each old task, for the supervised search."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.cat([t.x_train[torch.randperm(len(t.x_train), generator=gen)[:max(1, round(fraction * len(t.x_train)))]]
-                      for t in old_tasks])
-
-
 def search_reconstruction(reconstruct_with, old_tasks, cfg, log=print, mean_image=None):
     """Step 1 with a search: `cfg.trials` reconstructions, `reconstruct_with(cfg)` each; the one
     the score rates highest, as (x, y, lambdas, report)."""
@@ -164,13 +147,14 @@ def search_reconstruction(reconstruct_with, old_tasks, cfg, log=print, mean_imag
     if cfg.tuning == "unsup":  # the lowest final L_full; needs no old data
         score = lambda x, report: -report["kept_loss"]
     else:  # sup: SSIM against a few stored real images of each old task
-        buffer = reference_buffer(old_tasks, 0.1, seed)
+        draws = torch.Generator().manual_seed(seed)
+        few = lambda n: torch.randperm(n, generator=draws)[:max(1, round(0.1 * n))]  # a tenth of each old task
+        buffer = torch.cat([t.x_train[few(len(t.x_train))] for t in old_tasks])
         mean = torch.zeros(buffer.shape[1:]) if mean_image is None else mean_image
         score = lambda x, report: reconstruction_quality(buffer, x, mean.to(x.device))[0].mean().item()
     gen = torch.Generator().manual_seed(seed)
     own = {k: getattr(cfg, k) for k in SEARCH_SPACE if getattr(cfg, k) is not None}
     candidates = [own] + [sample_hyperparameters(gen, own) for _ in range(cfg.trials - 1)]
-
     def evaluate(hp):
         x, y, lam, report = reconstruct_with(dataclasses.replace(cfg, **hp))
         useless = not math.isfinite(report["kept_loss"]) or report["kept_loss"] >= report["first_loss"]
@@ -178,5 +162,4 @@ def search_reconstruction(reconstruct_with, old_tasks, cfg, log=print, mean_imag
         log(f"    trial {candidates.index(hp) + 1}/{cfg.trials}: " + " ".join(f"{k} {v:.3g}" for k, v in hp.items())
             + f" -> score {value:.4g}")
         return value, None, (x, y, lam, {**report, "hyperparameters": hp, "score": value})
-
     return random_search(candidates, evaluate)[1]

@@ -1,17 +1,14 @@
 """Networks for ReCL.
 
-ReCL's theory (paper App. B.1) needs *homogeneous* networks: scaling the weights
-by c scales the output by c^L. Plain ReLU MLPs and CNNs without bias vectors are
-homogeneous. Following the paper (App. D.1) and the reconstruction reference code,
-only the first layer has a bias. The MLP's first layer starts at a tiny scale (1e-4),
-as there; the CNN starts at He scale throughout (chosen on validation, see
-docs/running.md, "Other models").
+ReCL's theory (paper App. B.1) needs *homogeneous* networks: scaling the weights by c
+scales the output by c^L, as in ReLU nets without biases. As in the paper (App. D.1),
+only the first layer has a bias; the MLP's starts at a tiny scale, the CNN at He scale
+(chosen on validation: docs/running.md, "Other models").
 """
 import copy
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 
 class MLP(nn.Module):
@@ -28,20 +25,14 @@ class MLP(nn.Module):
             self.fc1.bias.normal_().mul_(first_init_scale)
 
     def forward(self, x):
-        x = self.act1(self.fc1(x.flatten(1)))
-        x = self.act2(self.fc2(x))
-        return self.head(x)
+        return self.head(self.act2(self.fc2(self.act1(self.fc1(x.flatten(1))))))
 
 
 def he_init(model):
-    """He et al. (2015) initialisation for every convolution and dense layer: weights
-    N(0, 2 / fan_in), biases zero, so that a signal keeps its size through ReLU layers.
-
-    Why not PyTorch's default: it draws each layer with a gain of about 1/sqrt(3)
-    (kaiming_uniform with a = sqrt(5)), so the signal shrinks by that factor per
-    layer. Through the CNN's five layers or AlexNet's eight the output then starts
-    near zero and plain SGD never leaves the loss ln C (test_recl.py checks that
-    each network fits data; docs/running.md, "Other models", has the story)."""
+    """He et al. (2015) initialisation: weights N(0, 2 / fan_in), biases zero, so a signal
+    keeps its size through ReLU layers. PyTorch's default (kaiming_uniform, a = sqrt(5))
+    shrinks it by about sqrt(3) per layer: through the CNN or AlexNet the output starts
+    near zero and SGD never leaves the loss ln C (docs/running.md, "Other models")."""
     for module in model.modules():
         if isinstance(module, (nn.Conv2d, nn.Linear)):
             nn.init.kaiming_normal_(module.weight, nonlinearity="relu")
@@ -51,9 +42,8 @@ def he_init(model):
 
 
 class CNN(nn.Module):
-    """The paper's CNN (after Deng et al. 2021): two 3x3 convolutions of 160
-    channels, then 640-320-C. The convolutions use stride 2 to keep the dense
-    layers small; no pooling, and a bias in the first layer only."""
+    """The paper's CNN (after Deng et al. 2021): two 3x3 convolutions of 160 channels, stride 2
+    to keep the dense layers small and no pooling, then 640-320-C."""
 
     def __init__(self, input_shape, n_classes, channels=160):
         super().__init__()
@@ -73,10 +63,8 @@ class CNN(nn.Module):
         return self.head(x)
 
 
-# Two networks that are *not* homogeneous (biases, max-pooling, dropout, batch
-# norm, skips), which the paper (Sec. 6.4, App. J) uses to show that ReCL helps
-# beyond its theory. Sized for 32x32 and 64x64 images; the head has no bias so
-# that it grows like the others.
+# Two networks that are *not* homogeneous (biases, max-pooling, dropout, batch norm, skips): the
+# paper (Sec. 6.4, App. J) shows that ReCL helps beyond its theory. The head has no bias, to grow.
 
 class AlexNet(nn.Module):
     """AlexNet-style: five 3x3 convolutions with max-pooling, two dropout dense layers."""
@@ -125,12 +113,9 @@ def build_model(name, input_shape, n_classes):
     return remember_start({"cnn": CNN, "alexnet": AlexNet, "resnet18": ResNet18}[name](tuple(input_shape), n_classes))
 
 
-# Reconstruction can fit what training added to the weights, theta - theta_0
-# (`--rec-target displacement`, recl.py part 1), so a model keeps a copy of
-# its initial weights theta_0.
-
 def remember_start(model):
-    """Keep a copy of the weights as they are now, as the model's theta_0."""
+    """Keep a copy of the weights as they are now, as the model's theta_0: reconstruction can
+    fit what training added, theta - theta_0 (`--rec-target displacement`, recl.py part 1)."""
     model.start = {k: v.detach().clone() for k, v in model.named_parameters()}
     return model
 
@@ -156,26 +141,15 @@ def grow_head(model, n_classes):
         model.start["head.weight"] = torch.cat([start, new.weight[old.out_features:].detach().to(start.device)])
 
 
-def smooth_backward_relu(z, alpha):
+class SmoothBackwardReLUFunction(torch.autograd.Function):
     """relu(z) forward; in the backward pass sigmoid(alpha z) instead of the step.
 
-    Reconstruction differentiates *through* gradients of the network, and the
-    true ReLU derivative (a step) has zero second derivative almost everywhere.
-    Following Haim et al. (2022), keep the forward pass exact and smooth only
-    the backward: sigmoid(alpha z) is the derivative of
-    softplus_alpha(z) = log(1 + e^(alpha z)) / alpha, a ReLU with a rounded corner.
-    Written with detach, the value is relu(z) (the two softplus terms cancel)
-    and every derivative is softplus_alpha's (the detached terms have none).
-    """
-    soft = F.softplus(z, beta=alpha)
-    return z.clamp_min(0).detach() + soft - soft.detach()
-
-
-class SmoothBackwardReLUFunction(torch.autograd.Function):
-    """The same as smooth_backward_relu, faster: no softplus in the forward pass, and
-    a shorter double backward (docs/cost.md has the timings). test_recl.py checks that the two give the same values and the
-    same first and second derivatives. The backward is written in ordinary
-    differentiable operations, so autograd can differentiate it again;
+    Reconstruction differentiates *through* gradients of the network, and the true ReLU
+    derivative (a step) has zero second derivative almost everywhere.
+    Following Haim et al. (2022), keep the forward pass exact and smooth only the backward:
+    sigmoid(alpha z) is the derivative of softplus_alpha(z) = log(1 + e^(alpha z)) / alpha,
+    a ReLU with a rounded corner. The backward is plain differentiable operations, so autograd
+    can differentiate it again (test_recl.py checks it against a slower detach form; docs/cost.md);
     setup_context and the generated vmap rule let torch.func take it as it is.
     """
     generate_vmap_rule = True
@@ -196,7 +170,7 @@ class SmoothBackwardReLUFunction(torch.autograd.Function):
 
 
 class SmoothBackwardReLU(nn.Module):
-    """A ReLU module with the smooth backward pass (the fast form)."""
+    """A ReLU module with the smooth backward pass."""
 
     def __init__(self, alpha):
         super().__init__()

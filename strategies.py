@@ -1,17 +1,12 @@
-"""Continual-learning strategies as small hook functions.
-
-A strategy is a dict of optional hooks that the one training loop in recl.py
-calls at fixed points:
+"""Continual-learning strategies as small hooks that the training loop in recl.py calls:
 
     extra_loss(model, x, y, logits, state)       added to the batch's cross-entropy
     after_backward(model, state)                 may rewrite the .grad of parameters
-    after_task(model, loader, state)             after training on a task
+    after_task(model, loader, state)             after training on a task, on its real data
 
-`loader` yields the task's *real* training data as (x, y) batches, in a fixed
-order; `state` is a plain dict the strategy keeps across tasks, starting from
-its hyperparameters (`STRATEGIES`, at the end). ReCL needs no hook at all: it
-only adds reconstructed samples to the training data, so it composes with every
-strategy here. Which settings each method runs with is in its rows, at the end.
+`state` is a plain dict kept across tasks, starting from the method's hyperparameters
+(`STRATEGIES`, at the end, with the rows each method runs with). ReCL needs no hook: it only
+adds reconstructed samples to the training data, so it composes with every strategy here.
 """
 import copy
 import math
@@ -21,13 +16,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
-# What `python experiments.py tune` searches on a validation split carved from the
-# training data (never the test set), for every method; each method's own grid is
-# in its entry at the end, and what the search chose is in its rows there
-# (docs/hyperparameters.md has how and when).
+# What `python experiments.py tune` searches for every method on a validation split of the
+# training data; each method's own grid and chosen rows are in its entry at the end.
 TRAINING_GRID = {"lr": [0.01, 0.05, 0.1], "epochs": [10, 20, 40]}
-# A +ReCL run with its departures (not --paper), for the rows at the end.
-RECL = {"variant": ("recl", "inversion"), "paper": False}
+RECL = {"variant": ("recl", "inversion"), "paper": False}  # a +ReCL run with its departures (not --paper)
 
 
 def defaults(method):
@@ -60,15 +52,7 @@ def new_state(method, **overrides):
 
 def pad_to(tensor, shape):
     """Zero-pad `tensor` at the end of each dimension up to `shape` (a grown head)."""
-    padding = []
-    for have, want in zip(reversed(tensor.shape), reversed(shape)):
-        padding += [0, want - have]
-    return F.pad(tensor, padding)
-
-
-def leading_slice(tensor, shape):
-    """The part of `tensor` that existed when it had `shape` (old head rows)."""
-    return tensor[tuple(slice(0, s) for s in shape)]
+    return F.pad(tensor, [n for have, want in zip(reversed(tensor.shape), reversed(shape)) for n in (0, want - have)])
 
 
 def sample_rows(x, y, n):
@@ -76,15 +60,10 @@ def sample_rows(x, y, n):
     return x[idx], y[idx]
 
 
-def collect(loader, limit=None):
-    """The rows of a loader's batches, concatenated (the first `limit` rows if given)."""
-    xs, ys, n = [], [], 0
-    for x, y in loader:
-        xs.append(x), ys.append(y)
-        n += len(x)
-        if limit is not None and n >= limit:
-            break
-    return torch.cat(xs)[:limit], torch.cat(ys)[:limit]
+def collect(loader):
+    """The rows of a loader's batches, concatenated."""
+    batches = list(loader)
+    return torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])
 
 
 def append_memory(state, x, y):
@@ -98,10 +77,8 @@ def append_memory(state, x, y):
 def diagonal_fisher(model, loader, chunk=32):
     """Mean of squared per-sample log-likelihood gradients (empirical Fisher), batch by batch."""
     params = {k: v.detach() for k, v in model.named_parameters()}
-
     def sample_loss(p, xi, yi):
         return F.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])
-
     per_sample_grads = vmap(grad(sample_loss), in_dims=(None, 0, 0))
     fisher, n = {k: torch.zeros_like(v) for k, v in params.items()}, 0
     for x, y in loader:
@@ -126,8 +103,9 @@ def ewc_loss(model, x, y, logits, state):
         return 0.0
     penalty = 0.0
     for k, p in model.named_parameters():
-        anchor = state["anchor"][k]  # only rows that existed: new head rows are free
-        penalty = penalty + (state["fisher"][k] * (leading_slice(p, anchor.shape) - anchor).pow(2)).sum()
+        anchor = state["anchor"][k]
+        old_part = p[tuple(slice(0, n) for n in anchor.shape)]  # only rows that existed: new head rows are free
+        penalty = penalty + (state["fisher"][k] * (old_part - anchor).pow(2)).sum()
     return state["ewc_lambda"] / 2 * penalty
 
 
@@ -189,21 +167,16 @@ def projected_layers(model):
     return {name: m for name, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))}
 
 
-def representation(layer, inputs):
-    """Rows that span what a layer's weights act on: its inputs, or for a
-    convolution every input patch it sees (im2col), as in Saha et al. 2021."""
-    if isinstance(layer, nn.Linear):
-        return inputs
-    patches = F.unfold(inputs, layer.kernel_size, layer.dilation, layer.padding, layer.stride)
-    return patches.transpose(1, 2).reshape(-1, patches.shape[1])
-
-
 def layer_inputs(model, x):
-    """For a batch x, the representation matrix [rows, fan_in] of every projected layer."""
+    """For a batch x, each projected layer's representation matrix [rows, fan_in], rows that span what
+    its weights act on: its inputs, or for a convolution every input patch (im2col; Saha et al. 2021)."""
     inputs, handles = {}, []
     for name, layer in projected_layers(model).items():
         def hook(mod, args, out, key=name):
-            inputs[key] = representation(mod, args[0].detach())
+            inputs[key] = args[0].detach()
+            if isinstance(mod, nn.Conv2d):
+                patches = F.unfold(inputs[key], mod.kernel_size, mod.dilation, mod.padding, mod.stride)
+                inputs[key] = patches.transpose(1, 2).reshape(-1, patches.shape[1])
         handles.append(layer.register_forward_hook(hook))
     with torch.no_grad():
         model(x)
@@ -215,10 +188,9 @@ def layer_inputs(model, x):
 def extend_basis(basis, activations, threshold):
     """Grow an orthonormal basis until it holds `threshold` of the activations' energy.
 
-    Saha et al. 2021, Eq. 6-9: project the new representation matrix R off the
-    existing basis, take the SVD of the residual and add its top left singular
-    vectors until ||projection of R||^2 / ||R||^2 reaches the threshold.
-    """
+    Saha et al. 2021, Eq. 6-9: project the new representation matrix R off the existing basis,
+    take the SVD of the residual and add its top left singular vectors until
+    ||projection of R||^2 / ||R||^2 reaches the threshold."""
     total = activations.pow(2).sum()
     if basis is not None:
         activations = activations - basis @ (basis.T @ activations)
@@ -228,9 +200,7 @@ def extend_basis(basis, activations, threshold):
         return basis
     below = ((captured + s.pow(2).cumsum(0)) / total < threshold).sum()
     new = u[:, :min(int(below) + 1, len(s))]
-    if basis is None:
-        return new
-    return torch.cat([basis, new], 1)[:, :activations.shape[0]]
+    return new if basis is None else torch.cat([basis, new], 1)[:, :activations.shape[0]]
 
 
 def gpm_after_task(model, loader, state):
@@ -245,8 +215,7 @@ def gpm_after_task(model, loader, state):
 
 
 def gpm_after_backward(model, state):
-    # grad W <- grad W (I - M M^T) for every weight, convolution kernels flattened
-    # to [out, fan_in]; the first layer's bias is left free.
+    # grad W <- grad W (I - M M^T) for every weight, kernels flattened to [out, fan_in]; biases stay free.
     for name, layer in projected_layers(model).items():
         basis = state.get("bases", {}).get(name)
         if basis is not None and layer.weight.grad is not None:
@@ -258,12 +227,9 @@ def gpm_after_backward(model, state):
 
 def upgd_after_backward(model, state):
     """Utility-perturbed gradient descent (Elsayed & Mahmood 2024), global first-order form.
-
-    utility u = -grad * w (a Taylor estimate of the loss change when w is set to 0),
-    tracked as a bias-corrected running mean and scaled to (0, 1) by a sigmoid of
-    u / max(u). The step uses (grad + noise) * (1 - scaled utility): useful
-    weights barely move, useless ones are free to learn and get perturbed.
-    """
+    utility u = -grad * w (a Taylor estimate of the loss change when w is set to 0), tracked as a
+    bias-corrected running mean and scaled to (0, 1) by a sigmoid of u / max(u). The step uses
+    (grad + noise) * (1 - scaled utility): useful weights barely move, useless ones learn and get perturbed."""
     beta = state["upgd_beta"]
     state["step"] = state.get("step", 0) + 1
     utility = state.setdefault("utility", {})
@@ -279,27 +245,23 @@ def upgd_after_backward(model, state):
         p.grad = (p.grad + state["upgd_weight_decay"] * p.detach() + noise) * (1 - scaled)
 
 
-# Each method in one entry: its hooks; each of its own hyperparameters as (literature
-# default, the range it must lie in, a test of that range); its search grid for
-# `experiments.py tune`; and its rows, what it trains with, chosen on validation
-# splits (docs/hyperparameters.md), in config.resolve's form (when, what changes).
-# A +ReCL run trains harder than the method alone ("budget": "recl"): ReCL reads
-# back only what the network has fitted (docs/departures.md, "training budget").
-# GPM replays without noise: its projection lets a layer learn only outside the
-# old tasks' input space, where noise would train directions real images never use.
-# ER keeps CE over all classes: its memory of real images already teaches old
-# against new (docs/networks.md, "Third round").
+# Each method: its hooks; its hyperparameters as (literature default, valid range, its test); its grid for
+# `experiments.py tune`; its rows, chosen on validation (docs/hyperparameters.md), in config.resolve's form (when,
+# what changes). +ReCL trains harder ("budget": "recl"): ReCL reads back only what the network has fitted
+# (docs/departures.md, "training budget"). GPM replays without noise: its projection lets a layer learn only outside
+# the old tasks' input space, where noise trains directions real images never use. ER keeps CE over all classes: its
+# real-image memory already teaches old against new (docs/networks.md, "Third round").
 AT_LEAST_0 = (">= 0", lambda v: v >= 0)
 POSITIVE = ("> 0", lambda v: v > 0)
 FRACTION = ("in (0, 1]", lambda v: 0 < v <= 1)
-CIL, DIL, CIL_RECL, DIL_RECL = {"scenario": "cil"}, {"scenario": "dil"}, {"scenario": "cil", "budget": "recl"}, \
-    {"scenario": "dil", "budget": "recl"}
+CIL, DIL = {"scenario": "cil"}, {"scenario": "dil"}
+CIL_RECL, DIL_RECL = {**CIL, "budget": "recl"}, {**DIL, "budget": "recl"}
 STRATEGIES = {
     "finetune": {"hooks": {}, "hyperparameters": {}, "grid": {},
                  "rows": [(CIL, {"lr": 0.01, "epochs": 10}), (CIL_RECL, {"lr": 0.1, "epochs": 20}),
                           (DIL, {"lr": 0.01, "epochs": 10}), (DIL_RECL, {"lr": 0.05, "epochs": 20})]},
-    "ewc": {"hooks": {"extra_loss": ewc_loss, "after_task": ewc_after_task},
-            "hyperparameters": {"ewc_lambda": (100.0, *AT_LEAST_0)},                   # Kirkpatrick et al. 2017
+    "ewc": {"hooks": {"extra_loss": ewc_loss, "after_task": ewc_after_task},               # Kirkpatrick et al. 2017
+            "hyperparameters": {"ewc_lambda": (100.0, *AT_LEAST_0)},
             "grid": {"ewc_lambda": [10.0, 100.0, 1000.0, 10000.0]},
             "rows": [(CIL, {"lr": 0.01, "epochs": 20, "ewc_lambda": 1000.0}),
                      (CIL_RECL, {"lr": 0.1, "ewc_lambda": 100.0}),
@@ -318,9 +280,8 @@ STRATEGIES = {
                       (CIL_RECL, {"lr": 0.1, "epochs": 20}),
                       (DIL, {"lr": 0.01, "epochs": 20, "upgd_beta": 0.99, "upgd_sigma": 0.0001}),
                       (DIL_RECL, {"lr": 0.1})]},
-    "agem": {"hooks": {"after_backward": agem_after_backward, "after_task": agem_after_task},
-             "hyperparameters": {"agem_patterns_per_task": (50, *POSITIVE),             # Chaudhry et al. 2019
-                                 "agem_batch": (256, *POSITIVE)},
+    "agem": {"hooks": {"after_backward": agem_after_backward, "after_task": agem_after_task},  # Chaudhry et al. 2019
+             "hyperparameters": {"agem_patterns_per_task": (50, *POSITIVE), "agem_batch": (256, *POSITIVE)},
              "grid": {"agem_patterns_per_task": [25, 50, 100]},
              "rows": [(CIL, {"lr": 0.05, "epochs": 40, "agem_patterns_per_task": 100}),
                       (CIL_RECL, {"lr": 0.1, "epochs": 20}),

@@ -14,7 +14,7 @@ import config  # noqa: E402
 import data  # noqa: E402
 
 OWN = ("--out", "--method", "--variant", "--scenario", "--dataset", "--seed", "--seeds", "--rec-objective",
-       "--data-root", "--quiet", "--skip-done")  # what run_all sets per run
+       "--data-root")  # what run_all sets per run
 
 
 def knob(name, default, allowed=None):
@@ -55,7 +55,8 @@ def plan(argv, env_cwd):
         if word.split("=")[0] in OWN:
             raise config.UsageError(f"{word.split('=')[0]} is run_all's to set per run: use its knobs")
     asked, plain = vars(parser.parse_args(argv)), vars(parser.parse_args([]))
-    given = {k: v for k, v in asked.items() if v != plain[k] and v is not None}  # the same for any spelling
+    given = {k: v for k, v in asked.items() if v != plain[k] and v is not None  # the same for any spelling
+             and k not in ("quiet", "skip_done")}  # every line has them
     for name in ("QUICK", "DRY_RUN"):
         if os.environ.get(name, "0") not in ("0", "1"):
             raise config.UsageError(f'{name} must be 0 or 1, got "{os.environ[name]}"')
