@@ -448,8 +448,7 @@ def describe(cfg):
     text = (f"{variant_name(cfg.method, cfg.variant)} | {cfg.scenario} | {cfg.dataset}"
             f"{' (validation split)' if cfg.validation else ''} | {cfg.model} | seed {cfg.seed} | {cfg.device} | "
             f"{cfg.n_per_class or 'all'} per class, {cfg.classes_per_task} per task | lr {cfg.lr:g}, {cfg.epochs} "
-            f"epochs, batch {cfg.batch_size}" + {"all": "", "new": ", CE over the new classes",
-                                                 "local": ", local CE"}[cfg.ce_scope])
+            f"epochs, batch {cfg.batch_size}, ce_scope {cfg.ce_scope}")
     text += "".join(f", {k} {v:g}" for k, v in cfg.hp.items())
     if cfg.variant != "base":
         values = [f"{k} {getattr(cfg, k):g}" if isinstance(getattr(cfg, k), float) else f"{k} {getattr(cfg, k)}"

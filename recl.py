@@ -11,15 +11,19 @@ trains on those reconstructions with the new task's data (Step 2, Sec. 4.2).
 Read top to bottom:
   1. The paper: Eq. 3-6, Step 1's loop (`reconstruct`), Step 2's loop (`train_task`), the
      metrics (Eq. 1-2). Each loop takes values, as PyTorch code does.
-  2. A run: `step1` and `step2` build those values from a `config.Config`, each departure
-     from the paper one `if` line there; `run_continual` is the task loop.
+  2. A run: `step1` and `step2` build those values from a `config.Config` (its values are
+     in the header a run prints), and `run_continual` is the task loop. Each departure
+     from the paper is one `if cfg.<field>:` line where it acts: in step1, in step2, or
+     (3, the filter) in run_continual; 11 is `reconstruct`'s `backtrack` argument.
   3. The departures, one function each, numbered as in docs/departures.md.
   4. `main`: the command line, from flags to one JSON file per run.
 
-`--paper` switches every departure off. What it then runs is the paper's text plus the
-choices that the text leaves open, which stay on in every run:
-  - Eq. 4 and 5 as squared hinges, weight 5 on Eq. 4, and Eq. 3's sum scaled by 1/n (n
-    candidates), as in the reference code of Buzaglo et al. (2023);
+`--paper` switches every departure off and trains at the method's own budget (lr, epochs,
+hyperparameters; with ReCL the defaults train harder, docs/departures.md). It then runs
+the paper's text plus these choices, on in every run, that its reference code (Buzaglo
+et al. 2023) makes or the text leaves open:
+  - Eq. 4 and 5 as squared hinges (the paper prints plain ones), weight 5 on Eq. 4, and
+    Eq. 3's sum scaled by 1/n (n candidates), as the reference code;
   - SGD with momentum 0.9 for the candidates and lambdas (the paper says SGD);
   - a reconstruction hands back its lowest-loss step, not its last (a step can overshoot);
   - batch-norm statistics re-estimated after each task (only ResNet18 has them);
@@ -120,11 +124,14 @@ def reconstruct(L_full, x, lam, optimizers, steps, log=print, backtrack=False):
             terms = L_full(x, lam)
             loss = sum(terms.values())
         losses.append(loss.item())
-        first_terms = {k: v.detach() for k, v in terms.items()} if step == 0 else first_terms
-        undo = backtrack and best is not None and not undone and not losses[-1] <= best[0]  # departure 11
+        if step == 0:
+            first_terms = {k: v.detach() for k, v in terms.items()}
+        # departure 11: a step that raised the loss (or made it NaN) is undone: back to the best, and
+        # the pass after an undo only rescores the restored candidates
+        undo = backtrack and best is not None and not undone and not losses[-1] <= best[0]
         if undo:
-            losses[-1] = step_back(x, lam, best, optimizers)
-        undone, backtracks = undo, backtracks + undo
+            losses[-1], backtracks = step_back(x, lam, best, optimizers), backtracks + 1
+        undone = undo
         if step and step % max(1, steps // 4) == 0 and step < steps:  # progress at each quarter
             log(f"    step {step}/{steps}: loss {losses[-1]:.4g}")
         if undo:
@@ -197,7 +204,9 @@ def step1(model, old_tasks, cfg, last=None, log=print):
     `last`: the previous reconstruction (x, labels, lambdas). Returns x, labels, lambdas, report."""
     device = next(model.parameters()).device
     labels = candidate_labels(model.head.out_features, cfg.m, len(old_tasks), cfg.scenario).to(device)
-    net = models.with_smooth_relu(model, cfg.alpha).eval()  # smooth backward, exact forward (Haim et al.)
+    # The paper's smooth ReLU (Haim et al. 2022): ReLU's derivative is a step, whose own derivative
+    # is zero, so Eq. 3's gradient in x needs a smooth one: sigmoid(alpha z) in the backward only.
+    net = models.with_smooth_relu(model, cfg.alpha).eval()
     params = {k: v.detach() for k, v in net.named_parameters()}
     x, lam = (v.to(device) for v in random_start(len(labels), old_tasks[0].x_train.shape[1:], cfg.sigma_x, cfg.seed))
     fixed = torch.zeros(len(labels), dtype=torch.bool, device=device)
@@ -214,7 +223,7 @@ def step1(model, old_tasks, cfg, last=None, log=print):
         L_full = plus_inversion_term(L_full, net, params, labels[~fixed], cfg.ce_weight)
     if cfg.rec_precision == "bfloat16":                                    # faster products, where supported
         L_full = in_bfloat16(L_full, device)
-    free_x, free_lam = x[~fixed].requires_grad_(), lam[~fixed].requires_grad_()
+    free_x, free_lam = x[~fixed].requires_grad_(), lam[~fixed].requires_grad_()  # copies, written back below
     optimizer = lambda v, lr: torch.optim.SGD([v], lr=lr, momentum=0.9)   # the paper's SGD (momentum: ref. code)
     if cfg.rec_optimizer == "adam":                                        # departure 6
         optimizer = adam
@@ -225,6 +234,12 @@ def step1(model, old_tasks, cfg, last=None, log=print):
                             **report}
 
 
+def shuffled_rows(x, own, batch_size, seed):
+    """Each epoch shuffles every row, the task's own and the reconstructions alike."""
+    loader = data.loader(torch.arange(len(x), device=x.device), torch.zeros(len(x)), batch_size, seed=seed)
+    return lambda: (rows for rows, _ in loader)
+
+
 def step2(task, x_rec, y_rec, cfg, n_old_classes):
     """Step 2 for a run: the task's images with the reconstructions last, as batches and a loss.
     Returns batches(), the loss, and batches without replay noise (for batch norm's statistics)."""
@@ -232,11 +247,12 @@ def step2(task, x_rec, y_rec, cfg, n_old_classes):
     rows = shuffled_rows(x, own, cfg.batch_size, cfg.seed)                # the paper: one shuffled set
     if cfg.replay_batch and own < len(x):                                  # departure 9: replay in every batch
         rows = replay_in_every_batch(x, own, cfg.batch_size, cfg.replay_batch, cfg.seed)
-    batches = clean = lambda: ((x[r], y[r], r >= own) for r in rows())
+    clean = lambda: ((x[r], y[r], r >= own) for r in rows())  # (images, labels, which are replayed)
+    batches = clean
     if cfg.replay_noise and own < len(x):                                  # departure 4: fresh noise on replay
         batches = with_noise(clean, (cfg.replay_noise * x[:own].std()).item(), x.device, cfg.seed)
     loss = cross_entropy
-    if cfg.ce_scope != "all" and n_old_classes:                            # departure 8: local cross-entropy
+    if cfg.ce_scope != "all" and n_old_classes:                            # departure 8 (the method alone too)
         scope = cfg.ce_scope if own < len(x) else "new"  # local needs replayed rows
         loss = lambda model, xb, yb, replayed: scoped_cross_entropy(model, xb, yb, replayed, n_old_classes, scope)
     return batches, loss, clean
@@ -318,12 +334,6 @@ def run_jointly(cfg, tasks, log=print):
     return record_of(cfg, [row], acc, None, diverged, [], [], started)
 
 
-def shuffled_rows(x, own, batch_size, seed):
-    """Each epoch shuffles every row, the task's own and the reconstructions alike."""
-    loader = data.loader(torch.arange(len(x), device=x.device), torch.zeros(len(x)), batch_size, seed=seed)
-    return lambda: (rows for rows, _ in loader)
-
-
 # =============================================================================
 # 3. The departures from the paper, and the inversion control
 # =============================================================================
@@ -394,7 +404,7 @@ def plus_inversion_term(L_full, net, params, labels, weight):
 
 
 # Departure 6, Adam (`--rec-optimizer adam`).
-# Paper: SGD with momentum. Here: Adam with DeepInversion's betas.
+# Paper: SGD (part 1: with momentum). Here: Adam with DeepInversion's betas.
 # Why: on deep nets SGD's step follows a gradient whose size spans orders of magnitude.
 def adam(tensor, lr):
     return torch.optim.Adam([tensor], lr=lr, betas=(0.5, 0.9))
@@ -482,7 +492,7 @@ def reconstruction_report(losses, best, first_terms):
 
 def noted(report, t, kept, started, name, log):
     """Log what the reconstruction before task t + 1 did; its entry in the run's record."""
-    left = (f", Eq. 3 leaves {report['kept_terms']['rec']:.0%} of theta - theta_0 unexplained"  # departure 1
+    left = (f", Eq. 3 leaves {report['kept_terms']['rec']:.0%} of |theta - theta_0|^2 unexplained"  # departure 1
             if report["rec_scale"] != 1.0 and "rec" in report["kept_terms"] else "")
     log(f"  [{name}] task {t + 1}: reconstructed {kept}/{report['candidates']}, "
         f"loss {report['first_loss']:.4g} -> {report['kept_loss']:.4g}{left}"
