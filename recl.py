@@ -43,9 +43,7 @@ import judging
 import models
 import strategies
 
-# =============================================================================
-# 1. The paper
-# =============================================================================
+# ==== 1. The paper ===================================================================================================
 #
 # Phi(theta; x) for a multi-class network is the margin of x's label y: its
 # logit minus the largest other logit. At a margin-maximisation point the
@@ -195,9 +193,7 @@ def accuracy(model, x, y, batch_size=1000):
     return 100.0 * correct / len(x)
 
 
-# =============================================================================
-# 2. A run: the values each step takes, and the task loop
-# =============================================================================
+# ==== 2. A run: the values each step takes, and the task loop ========================================================
 
 def step1(model, old_tasks, cfg, last=None, log=print):
     """Step 1 for a run: candidates for every old class, read from `model` after its last task.
@@ -312,8 +308,7 @@ def run_continual(cfg, tasks, log=print, judge=None, search=None):
 
 
 def run_jointly(cfg, tasks, log=print):
-    """The upper bound (`--method joint`): one model trained on every task's training images
-    at once; its record has one row of test accuracies, and no BWT."""
+    """The upper bound (`--method joint`): one model on every task's images at once; no BWT."""
     started = time.time()
     torch.manual_seed(cfg.seed)
     tasks = [data.Task(t.classes, *(v.to(cfg.device) for v in t[1:])) for t in tasks]
@@ -334,9 +329,7 @@ def run_jointly(cfg, tasks, log=print):
     return record_of(cfg, [row], acc, None, diverged, [], [], started)
 
 
-# =============================================================================
-# 3. The departures from the paper, and the inversion control
-# =============================================================================
+# ==== 3. The departures from the paper, and the inversion control ====================================================
 # Each: what the paper does, what we do, why. docs/departures.md has the numbers under the
 # same number (the gaps are levers that lost). `--paper` switches every one off.
 
@@ -378,8 +371,7 @@ def less_share_of(net, params, target, x, labels, lam, n):
 # are dropped. Why: they would teach the wrong boundary (App. D.5 suggests filtering).
 @torch.no_grad()
 def classified_as_labelled(model, x, y):
-    model.eval()
-    return model(x).argmax(1) == y
+    return model.eval()(x).argmax(1) == y
 
 
 # Departure 4, replay noise (`--replay-noise`).
@@ -445,7 +437,6 @@ def replay_in_every_batch(x, own, batch_size, n, seed):
 # the step sizes halve; the pass after an undo only rescores the restored state.
 # Why: a step size that overshoots then costs steps, not the reconstruction.
 def step_back(x, lam, best, optimizers):
-    """Restore the best candidates and lambdas, reset and halve the optimisers; the best loss."""
     with torch.no_grad():
         x.copy_(best[1])
         lam.copy_(best[2])
@@ -470,9 +461,7 @@ def in_bfloat16(L_full, device):
     return torch.autocast(device.type, dtype=torch.bfloat16)(L_full)
 
 
-# =============================================================================
-# 4. Records, and the command line
-# =============================================================================
+# ==== 4. Records, and the command line ===============================================================================
 
 class Diverged(Exception):
     """Training produced a non-finite loss; the run's numbers would be meaningless."""
@@ -519,13 +508,14 @@ def main(argv=None):
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
     runs = [config.resolve(args, seed, variant) for seed in range(args.seed, args.seed + (args.seeds or 1))
             for variant in config.variants(args)]
-    for i, cfg in enumerate(runs):  # every run checked before any task trains
-        if i == 0 or cfg.seed != runs[i - 1].seed:
-            tasks, _, _, left_out = config.make_tasks(cfg)
-            if left_out:
-                print(f"note: seed {cfg.seed} leaves out class(es) {left_out}: they fill no whole task", flush=True)
-        config.check_tasks(tasks, cfg)
-    failed, loaded = [], None
+    loaded = None
+    for cfg in runs:  # every run checked before any task trains
+        if loaded is None or loaded[0] != cfg.seed:
+            loaded = (cfg.seed, *config.make_tasks(cfg))
+            if loaded[4]:
+                print(f"note: seed {cfg.seed} leaves out class(es) {loaded[4]}: they fill no whole task", flush=True)
+        config.check_tasks(loaded[1], cfg)
+    failed = []
     for cfg in runs:
         name, path = config.variant_name(cfg.method, cfg.variant), config.result_path(args.out, cfg)
         if args.skip_done and path.exists():

@@ -139,7 +139,7 @@ def test_the_inversion_term_adds_its_weight_times_the_cross_entropys_gradient():
 
 def test_the_papers_part_takes_values_and_reads_no_setting():
     source = (HERE / "recl.py").read_text()
-    part1 = source[source.index("# 1. The paper"):source.index("# 2. A run")]
+    part1 = source[source.index("# ==== 1. The paper"):source.index("# ==== 2. A run")]
     assert "cfg" not in {n.id for n in ast.walk(ast.parse(part1)) if isinstance(n, ast.Name)}
 
 
