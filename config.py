@@ -1,13 +1,8 @@
-"""What one run is, and the command line that asks for it.
-
-Every setting is one field of `Config`, written once: its default (the MLP's +ReCL run on
-SplitMNIST in CIL), its help and its valid range. The flags and their range checks are
-made from the fields in one loop (`make_parser`, `check`). A few named rows change the
-defaults for a network, a method (its rows sit with it in strategies.py), `--paper` and
-the inversion control; `resolve` applies them once, before anything trains, and a flag
-given wins over every row. A run's digest names its result file, so runs that differ in
-any setting never share a file or a table row.
-"""
+"""What one run is, and the command line that asks for it. Every setting is one field of
+`Config`: its default (the MLP's +ReCL run on SplitMNIST), help and valid range, from which
+`make_parser` and `check` make the flags and checks. Named rows change defaults for a
+network, a method (its rows sit in strategies.py), `--paper` and the inversion control;
+`resolve` applies them, a flag given wins. A run's digest names its result file."""
 import argparse
 import dataclasses
 import functools
@@ -106,9 +101,7 @@ FIELDS = [f.name for f in dataclasses.fields(Config)]
 RECL_FIELDS = FIELDS[FIELDS.index("m"):FIELDS.index("paper")]  # what the method alone does not use
 CONTROL = {"lr_lambda": None, "lambda_min": None, "rec_target": None, "ce_weight": None}  # no Eq. 3-4, no term
 
-# =============================================================================
-# The rows: (name, when, what changes), read in this order
-# =============================================================================
+# ==== The rows: (name, when, what changes), read in this order =======================================================
 # A row applies when each field in `when` has that value (or one of a tuple) among the
 # values so far. Every value was chosen on validation splits; docs/ has the numbers.
 NETWORK = {**strategies.RECL, "model": ("cnn", "alexnet")}
@@ -186,16 +179,14 @@ def variants(args):
     return {None: ["base", recl], "both": ["base", recl], "base": ["base"], "recl": [recl]}[args.variant]
 
 
-# =============================================================================
-# The flags, made from the fields, and the checks made before anything trains
-# =============================================================================
+# ==== The flags, made from the fields, and the checks made before anything trains ====================================
 
-class UsageError(Exception):
-    """Bad command-line input; printed as one line."""
+class UsageError(Exception):  # bad command-line input, printed as one line
+    pass
 
 
-class RunFailed(Exception):
-    """A run finished without usable numbers (it diverged); printed as one line."""
+class RunFailed(Exception):  # a run diverged: no usable numbers, printed as one line
+    pass
 
 
 class Parser(argparse.ArgumentParser):
@@ -398,9 +389,7 @@ def make_tasks(cfg):
     return tasks, order, mean_image, left_out
 
 
-# =============================================================================
-# Names, and results on disk
-# =============================================================================
+# ==== Names, and results on disk =====================================================================================
 
 NOT_IN_DIGEST = ("seed", "device", "data_root", "set_by")  # where it ran does not define a run
 
@@ -413,14 +402,12 @@ def digest(cfg):
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
 
 
-def file_sha256(path):
-    path = Path(path).resolve()
-    return _sha256(path, path.stat().st_mtime_ns, path.stat().st_size)
-
-
-@functools.cache  # a file is read once per change
+@functools.cache  # a file is read once per change of its time or size
 def _sha256(path, mtime_ns, size):
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+file_sha256 = lambda path: _sha256(Path(path).resolve(), Path(path).stat().st_mtime_ns, Path(path).stat().st_size)
 
 
 def variant_name(method, variant):

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
-# What `python experiments.py tune` searches for every method on a validation split of the
+# What `python tools/tune.py` searches for every method on a validation split of the
 # training data; each method's own grid and chosen rows are in its entry at the end.
 TRAINING_GRID = {"lr": [0.01, 0.05, 0.1], "epochs": [10, 20, 40]}
 RECL = {"variant": ("recl", "inversion"), "paper": False}  # a +ReCL run with its departures (not --paper)
@@ -246,7 +246,7 @@ def upgd_after_backward(model, state):
 
 
 # Each method: its hooks; its hyperparameters as (literature default, valid range, its test); its grid for
-# `experiments.py tune`; its rows, chosen on validation (docs/hyperparameters.md), in config.resolve's form (when,
+# `tools/tune.py`; its rows, chosen on validation (docs/hyperparameters.md), in config.resolve's form (when,
 # what changes). +ReCL trains harder ("budget": "recl"): ReCL reads back only what the network has fitted
 # (docs/departures.md, "training budget"). GPM replays without noise: its projection lets a layer learn only outside
 # the old tasks' input space, where noise trains directions real images never use. ER keeps CE over all classes: its
