@@ -343,7 +343,8 @@ def test_adams_first_step_moves_every_pixel_and_lambda_by_its_step_size():
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_a_batch_norm_networks_reconstruction_never_ends_above_its_start(optimizer):
-    model, labels = displaced(models.remember_start(small_batch_norm_net())).eval(), torch.arange(3).repeat_interleave(4)
+    model = displaced(models.remember_start(small_batch_norm_net())).eval()
+    labels = torch.arange(3).repeat_interleave(4)
     for lr_x in (1e-2, 1e4):
         x, _, report = step1(model, labels, (1, 8, 8), run_config(rec_optimizer=optimizer, lr_x=lr_x, n_rec=20))
         assert torch.isfinite(x).all() and report["kept_loss"] <= report["first_loss"]
@@ -895,6 +896,11 @@ def test_every_flag_has_a_help_that_quotes_its_fields_default_and_the_rows_that_
 def test_a_rows_values_apply_unless_a_flag_gives_its_own():
     assert (resolved("--model", "cnn").lr_x, resolved("--model", "cnn", "--lr-x", "0.5").lr_x) == (0.01, 0.5)
     assert resolved("--model", "cnn", "--method", "gpm").replay_noise == 0.0  # GPM's row, after the network's
+
+
+def test_reconstruction_is_float32_on_any_cpu_unless_bfloat16_is_asked_for(monkeypatch):
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx512_bf16": True, "amx_bf16": True})
+    assert (resolved().rec_precision, resolved("--rec-precision", "bfloat16").rec_precision) == ("float32", "bfloat16")
 
 
 def test_a_flag_of_the_recl_variant_never_changes_the_method_alones_run():
