@@ -19,7 +19,8 @@ Read top to bottom:
   4. `main`: the command line, from flags to one JSON file per run.
 
 `--paper` switches every departure off and trains at the method's own budget (lr, epochs,
-hyperparameters; with ReCL the defaults train harder, docs/departures.md). It then runs
+hyperparameters; with ReCL the defaults train harder, docs/departures.md); Eq. 3-6's own
+settings (m, n_rec, sigma_x, the step sizes, lambda_min, alpha) keep their values. It runs
 the paper's text plus these choices, on in every run, that its reference code (Buzaglo
 et al. 2023) makes or the text leaves open:
   - Eq. 4 and 5 as squared hinges (the paper prints plain ones), weight 5 on Eq. 4, and
@@ -215,7 +216,7 @@ def step1(model, old_tasks, cfg, last=None, log=print):
     L_full = stationarity_loss(net, params, labels[~fixed], target, cfg.lambda_min, len(labels), scale)
     if cfg.variant == "inversion":                                         # the control: no Eq. 3
         L_full = inversion_loss(net, params, labels[~fixed])
-    if cfg.ce_weight:                                                      # departure 5: a little inversion
+    if cfg.ce_weight:                                                      # departure 5 (None for the control)
         L_full = plus_inversion_term(L_full, net, params, labels[~fixed], cfg.ce_weight)
     if cfg.rec_precision == "bfloat16":                                    # faster products, where supported
         L_full = in_bfloat16(L_full, device)
@@ -230,8 +231,8 @@ def step1(model, old_tasks, cfg, last=None, log=print):
                             **report}
 
 
-def shuffled_rows(x, own, batch_size, seed):
-    """Each epoch shuffles every row, the task's own and the reconstructions alike."""
+def shuffled_rows(x, batch_size, seed):
+    """Each call draws a new order of every row, the task's own and the reconstructions alike."""
     loader = data.loader(torch.arange(len(x), device=x.device), torch.zeros(len(x)), batch_size, seed=seed)
     return lambda: (rows for rows, _ in loader)
 
@@ -240,7 +241,7 @@ def step2(task, x_rec, y_rec, cfg, n_old_classes):
     """Step 2 for a run: the task's images with the reconstructions last, as batches and a loss.
     Returns batches(), the loss, and batches without replay noise (for batch norm's statistics)."""
     x, y, own = torch.cat([task.x_train, x_rec]), torch.cat([task.y_train, y_rec]), len(task.x_train)
-    rows = shuffled_rows(x, own, cfg.batch_size, cfg.seed)                # the paper: one shuffled set
+    rows = shuffled_rows(x, cfg.batch_size, cfg.seed)                # the paper: one shuffled set
     if cfg.replay_batch and own < len(x):                                  # departure 9: replay in every batch
         rows = replay_in_every_batch(x, own, cfg.batch_size, cfg.replay_batch, cfg.seed)
     clean = lambda: ((x[r], y[r], r >= own) for r in rows())  # (images, labels, which are replayed)
@@ -278,7 +279,7 @@ def run_continual(cfg, tasks, log=print, judge=None, search=None):
                 x_rec, y_rec, lam, report = search(lambda c: step1(model, tasks[:t], c, last, log), tasks[:t], cfg, log)
             log(f"    reconstruction took {time.time() - start:.1f}s")
             last = (x_rec, y_rec, lam)  # whole, for departure 2
-            if cfg.filter:  # departure 3: drop the candidates the model files under another class
+            if cfg.filter:  # departure 3: drop those the model (of the old classes) files under another class
                 keep = classified_as_labelled(model, x_rec, y_rec)
                 x_rec, y_rec = x_rec[keep], y_rec[keep]
             reconstructions.append(noted(report, t, len(x_rec), start, name, log))
@@ -295,7 +296,7 @@ def run_continual(cfg, tasks, log=print, judge=None, search=None):
             log(f"  [{name}] task {t + 1}: diverged, {err}")
             break
         # Batch norm (ResNet18) evaluates with running statistics that a task's few dozen steps
-        # barely move from their start: re-estimate them with the final weights.
+        # barely move from their start: re-estimate them with the final weights, on the rows it trained on.
         torch.optim.swa_utils.update_bn(((xb,) for xb, _, _ in clean()), model)
         model.eval()  # strategies look at the trained model (fixed batch-norm statistics, no dropout)
         if "after_task" in hooks:
