@@ -1,9 +1,8 @@
 """Data for continual learning: load images into memory as tensors, split them into tasks.
 
-The offline default is SplitMNIST from `data/mnist_5k.csv.gz`, real MNIST images shipped
-with the project. Other datasets are read from their usual on-disk formats under a data root
-(downloaded there when online), or from a `.pt` file (see `load_tensor_file`).
-"""
+The offline default is SplitMNIST from `data/mnist_5k.csv.gz`, real MNIST images shipped with the project; other
+datasets are read from their usual on-disk formats under a data root (downloaded there when online), or from a
+`.pt` file (see `load_tensor_file`)."""
 import gzip
 import hashlib
 import pickle
@@ -16,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 MNIST_SUBSET = Path(__file__).resolve().parent / "data" / "mnist_5k.csv.gz"
 MNIST_SUBSET_PER_CLASS = 500  # images per digit in the shipped subset
 MNIST_SUBSET_SHA256 = "846f6cad587fea3877f6e0fe0a1968dfc68867ce170d3bc9fc2dccdbed17961d"
+_PARSED = {}  # sha256 of a CSV file -> its images and labels: parsed once per process
 
 
 class DataError(Exception):
@@ -28,9 +28,6 @@ class Task(NamedTuple):
     y_train: torch.Tensor  # labels as the model sees them (see `split_into_tasks`)
     x_test: torch.Tensor
     y_test: torch.Tensor
-
-
-_PARSED = {}  # sha256 of a CSV file -> its images and labels: parsed once per process
 
 
 def load_mnist_subset(path=MNIST_SUBSET):
@@ -94,6 +91,10 @@ def split_into_tasks(x_train, y_train, x_test, y_test, class_order, classes_per_
 
 # --- other datasets: real on-disk formats, downloaded when the machine is online ---
 
+IDX_STEMS = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
+DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")  # `apt-get install dataset-fashion-mnist`
+TINYIMAGENET_URL = "http://cs231n.stanford.edu/tiny-imagenet-200.zip"
+
 def read_idx(path):
     """An IDX file (MNIST's format), gzipped or not, as a uint8 tensor."""
     raw = Path(path).read_bytes()
@@ -130,24 +131,9 @@ def fetch(name, root, download, explain=None):
                         .format(type(err).__name__)) from None
 
 
-IDX_STEMS = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
-
-
-def read_idx_dataset(folder):
-    """The four IDX files of MNIST's layout in `folder`: 1-channel images and labels."""
+def read_idx_dataset(folder):  # the four IDX_STEMS files in `folder`: 1-channel images and labels
     x_train, y_train, x_test, y_test = (read_idx(find_file(folder, s)) for s in IDX_STEMS)
     return x_train[:, None], y_train.long(), x_test[:, None], y_test.long()
-
-
-def load_mnist_full(root):
-    raw = Path(root) / "MNIST" / "raw"
-    if not all(find_file(raw, s) for s in IDX_STEMS):
-        import torchvision
-        fetch("MNIST", root, lambda: torchvision.datasets.MNIST(root, download=True))
-    return read_idx_dataset(raw)
-
-
-DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")  # `apt-get install dataset-fashion-mnist`
 
 
 def load_fashion_mnist(root):
@@ -164,10 +150,10 @@ def load_fashion_mnist(root):
     return read_idx_dataset(Path(root) / "FashionMNIST" / "raw")
 
 
-# CIFAR10's python batches are pickles, and a pickle may name any function to call while it
-# loads. A crafted file under --data-root must not run code, so the batches are read by an
-# unpickler that knows only the names a batch holds: numpy's array, its dtype and their
-# rebuilders (old and new numpy spellings), and the codec Python 2 strings come back through.
+# CIFAR10's python batches are pickles, and a pickle may name any function to call while it loads. A crafted file
+# under --data-root must not run code, so the batches are read by an unpickler that knows only the names a batch
+# holds: numpy's array, its dtype and their rebuilders (old and new numpy spellings), and the codec Python 2 strings
+# come back through.
 PICKLE_ALLOWED = {("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode"),
                   ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
                   ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer")}
@@ -208,9 +194,6 @@ def load_cifar10(root):
     return (*batches([f"data_batch_{i}" for i in range(1, 6)]), *batches(["test_batch"]))
 
 
-TINYIMAGENET_URL = "http://cs231n.stanford.edu/tiny-imagenet-200.zip"
-
-
 def load_tinyimagenet(root, n_classes=40):
     """The tiny-imagenet-200 layout; like the paper, a fixed subset of 40 classes. Test images are
     the labelled validation images (val/val_annotations.txt): the test labels are secret."""
@@ -222,11 +205,10 @@ def load_tinyimagenet(root, n_classes=40):
         fetch("TinyImageNet", root, lambda: download_and_extract_archive(TINYIMAGENET_URL, root))
     wnids = sorted(p.name for p in (folder / "train").iterdir() if p.is_dir())[:n_classes]
     read = lambda p: pil_to_tensor(Image.open(p).convert("RGB"))
-    x_train, y_train = [], []
+    x_train, y_train, x_test, y_test = [], [], [], []
     for label, wnid in enumerate(wnids):
         for p in sorted((folder / "train" / wnid / "images").iterdir()):
             x_train.append(read(p)), y_train.append(label)
-    x_test, y_test = [], []
     for line in (folder / "val" / "val_annotations.txt").read_text().splitlines():
         file, wnid = line.split("\t")[:2]
         if wnid in wnids:
@@ -281,8 +263,7 @@ def load_tensor_file(path):
     return as_images(parts[0]), parts[1].long(), as_images(parts[2]), parts[3].long()
 
 
-LOADERS = {"mnist-full": load_mnist_full, "fashion-mnist": load_fashion_mnist, "cifar10": load_cifar10,
-           "tinyimagenet": load_tinyimagenet}
+LOADERS = {"fashion-mnist": load_fashion_mnist, "cifar10": load_cifar10, "tinyimagenet": load_tinyimagenet}
 DATASETS = ["mnist", *LOADERS]
 
 
@@ -296,11 +277,10 @@ def load(dataset, data_root="data"):
 
 
 def make_tasks(dataset, seed, n_per_class=100, scenario="cil", classes_per_task=2, data_root="data"):
-    """Split a dataset into tasks, as in the paper (Sec. 5, App. C). Per seed: shuffle the class order,
-    take `n_per_class` training images per class (None: all), test on the test images of the same
-    classes (for the shipped MNIST subset, its held-out images). Pixels are scaled to [0, 1] and the
-    training mean image is subtracted, so values lie in [-1, 1], the range the reconstruction prior
-    (Eq. 5) assumes. Classes that fill no whole task are left out: the fourth value names them."""
+    """Split a dataset into tasks, as in the paper (Sec. 5, App. C). Per seed: shuffle the class order, take
+    `n_per_class` training images per class (None: all), test on the test images of those classes (the shipped
+    MNIST subset: its held-out images). Pixels are scaled to [0, 1], less the training mean image: values lie in
+    [-1, 1], as the reconstruction prior (Eq. 5) assumes. Classes that fill no whole task are left out (4th value)."""
     x_train, y_train, x_test, y_test = load(dataset, data_root)
     generator = torch.Generator().manual_seed(seed)
     classes = torch.unique(y_train)

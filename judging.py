@@ -5,9 +5,8 @@ sees these real images (except in the supervised search, an ablation). App. D.5 
      and match each real image to its nearest candidate by L2;
   2. add the training mean image back and stretch each image to [0, 1];
   3. SSIM of each pair. Haim et al. (2022) count SSIM > 0.4 as recovered.
-One change to step 2: the paper adds the mean to the *standardised* candidates, so even
-exact copies of the real images would score well below 1. We first give them the real set's
-mean image and spread; the score then ignores only their overall scale and offset.
+One change to step 2: the paper adds the mean to the *standardised* candidates, so even exact copies of the real images
+score well below 1. We first give them the real set's mean image and spread: SSIM ignores only their scale and offset.
 """
 import dataclasses
 import math
@@ -50,8 +49,7 @@ def on_reference_scale(candidates, reference):
 def as_picture(x, mean_image):
     """Undo the mean subtraction and stretch each image to [0, 1]."""
     x = x + mean_image
-    low = x.flatten(1).min(1).values.view(-1, *[1] * (x.dim() - 1))
-    high = x.flatten(1).max(1).values.view(-1, *[1] * (x.dim() - 1))
+    low, high = (m.view(-1, *[1] * (x.dim() - 1)) for m in x.flatten(1).aminmax(dim=1))
     return (x - low) / (high - low).clamp_min(1e-12)
 
 
@@ -73,9 +71,8 @@ def save_pairs(path, reference, candidates, nearest, mean_image, n=32):
 
 
 def judge_reconstruction(old_tasks, x_rec, cfg, mean_image):
-    """SSIM of the old real images with their nearest reconstructions, and of as many random
-    candidates the reconstruction started from (a floor) and held-out real images of the old
-    classes (what a perfect look-alike of the data, not a copy, would score)."""
+    """SSIM of the old real images with their nearest reconstructions, with as many of the random candidates they
+    started from (a floor), and with held-out real images of the old classes (a ceiling: look-alikes, not copies)."""
     real = torch.cat([t.x_train for t in old_tasks])
     mean_image = mean_image.to(real.device)
     # the noise the candidates started from: the same draw as recl.random_start
@@ -93,10 +90,9 @@ def judge_reconstruction(old_tasks, x_rec, cfg, mean_image):
 
 
 def report_reconstruction(name, old_tasks, x_rec, cfg, mean_image, image_path=None, log=print, labels=None):
-    """Log how close the reconstructions made before task len(old_tasks) + 1 are; given the run's
-    JSON path RUN.json as `image_path`, save their image grid as RUN-taskT.png and RUN-taskT.pt:
-    the candidates as the network takes them ("x"), as pixels in [0, 1] (the training mean image
-    added back) and their labels. Returns the figures."""
+    """Log how close the reconstructions made before task len(old_tasks) + 1 are; given the run's JSON path RUN.json
+    as `image_path`, save their image grid as RUN-taskT.png and RUN-taskT.pt: the candidates as the network takes them
+    ("x"), as pixels in [0, 1] (the training mean image added back) and their labels. Returns the figures."""
     task = len(old_tasks) + 1
     quality, real, nearest, mean_image = judge_reconstruction(old_tasks, x_rec, cfg, mean_image)
     log(f"  [{name}] task {task}: SSIM to nearest real image {quality['mean_ssim']:.3f} "
@@ -113,17 +109,15 @@ def report_reconstruction(name, old_tasks, x_rec, cfg, mean_image, image_path=No
 
 
 # --- Tuning the reconstruction during training (Sec. 4.3) ----------------------------------
-# naive: the run's own values. unsup: a random search before each task, keeping the trial with
-# the lowest final L_full (no old data needed). sup: scored by SSIM against a few stored real old
-# images (an ablation). Trial 1 is the run's own values; each draw is log-uniform within a factor
-# of them, where App. B.3 gives fixed ranges (docs/departures.md, "The search space of Sec. 4.3").
+# naive: the run's own values. unsup: a random search before each task, keeping the trial with the lowest final L_full.
+# sup: scored by SSIM against a few stored real old images. Trial 1 is the run's own values; each draw is log-uniform
+# within a factor of them, where App. B.3 gives fixed ranges (docs/departures.md, "The search space of Sec. 4.3").
 SEARCH_SPACE = {"sigma_x": 10.0, "lr_x": 10.0, "lr_lambda": 10.0, "lambda_min": 3.0, "alpha": 3.0}
 
 
 def random_search(candidates, evaluate):
-    """Score each settings dict by evaluate(settings) -> (score, summary, payload); return every
-    (score, settings, summary), best first (ties: the earlier; non-finite: last), and the best
-    trial's payload. tools/tune.py's validation search shares it."""
+    """Score each settings dict by evaluate(settings) -> (score, summary, payload); return every (score, settings,
+    summary), best first (ties: the earlier; non-finite: last), and the best trial's payload."""
     trials, best = [], None
     for settings in candidates:
         score, summary, payload = evaluate(settings)
@@ -136,8 +130,7 @@ def random_search(candidates, evaluate):
 
 def sample_hyperparameters(gen, centre):
     """One draw: each hyperparameter of `centre` log-uniform in [centre / factor, centre * factor]."""
-    return {name: centre[name] * SEARCH_SPACE[name] ** (2 * torch.rand(1, generator=gen).item() - 1)
-            for name in centre}
+    return {name: centre[name] * SEARCH_SPACE[name] ** (2 * torch.rand(1, generator=gen).item() - 1) for name in centre}
 
 
 def search_reconstruction(reconstruct_with, old_tasks, cfg, log=print, mean_image=None):

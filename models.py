@@ -1,9 +1,8 @@
 """Networks for ReCL.
 
-ReCL's theory (paper App. B.1) needs *homogeneous* networks: scaling the weights by c
-scales the output by c^L, as in ReLU nets without biases. As in the paper (App. D.1),
-only the first layer has a bias; the MLP's starts at a tiny scale, the CNN at He scale
-(chosen on validation: docs/running.md, "Other models").
+ReCL's theory (paper App. B.1) needs *homogeneous* networks: scaling the weights by c scales the output by c^L, as in
+ReLU nets without biases. As in the paper (App. D.1), only the first layer has a bias; the MLP's starts at a tiny
+scale, the CNN at He scale (chosen on validation: docs/running.md, "Other models").
 """
 import copy
 
@@ -29,10 +28,9 @@ class MLP(nn.Module):
 
 
 def he_init(model):
-    """He et al. (2015) initialisation: weights N(0, 2 / fan_in), biases zero, so a signal
-    keeps its size through ReLU layers. PyTorch's default (kaiming_uniform, a = sqrt(5))
-    shrinks it by about sqrt(3) per layer: through the CNN or AlexNet the output starts
-    near zero and SGD never leaves the loss ln C (docs/running.md, "Other models")."""
+    """He et al. (2015) initialisation: weights N(0, 2 / fan_in), biases zero, so a signal keeps its size through ReLU
+    layers. PyTorch's default (kaiming_uniform, a = sqrt(5)) shrinks it by about sqrt(3) per layer: through the CNN
+    or AlexNet the output starts near zero and SGD never leaves the loss ln C (docs/running.md, "Other models")."""
     for module in model.modules():
         if isinstance(module, (nn.Conv2d, nn.Linear)):
             nn.init.kaiming_normal_(module.weight, nonlinearity="relu")
@@ -90,10 +88,9 @@ class ResNet18(nn.Module):
     def __init__(self, input_shape, n_classes):
         super().__init__()
         import torchvision
-        net = torchvision.models.resnet18()
-        net.conv1 = nn.Conv2d(input_shape[0], 64, 3, padding=1, bias=False)
-        net.maxpool, net.fc = nn.Identity(), nn.Identity()
-        self.features = net
+        self.features = torchvision.models.resnet18()
+        self.features.conv1 = nn.Conv2d(input_shape[0], 64, 3, padding=1, bias=False)
+        self.features.maxpool, self.features.fc = nn.Identity(), nn.Identity()
         self.head = nn.Linear(512, n_classes, bias=False)
 
     def forward(self, x):
@@ -122,9 +119,8 @@ def remember_start(model):
 
 def start_weights(model):
     """theta_0, on the device of the weights; None if the model never remembered it."""
-    if not hasattr(model, "start"):
-        return None
-    return {k: model.start[k].to(p.device) for k, p in model.named_parameters()}
+    if hasattr(model, "start"):
+        return {k: model.start[k].to(p.device) for k, p in model.named_parameters()}
 
 
 def grow_head(model, n_classes):
@@ -144,13 +140,11 @@ def grow_head(model, n_classes):
 class SmoothBackwardReLUFunction(torch.autograd.Function):
     """relu(z) forward; in the backward pass sigmoid(alpha z) instead of the step.
 
-    Reconstruction differentiates *through* gradients of the network, and the true ReLU
-    derivative (a step) has zero second derivative almost everywhere.
-    Following Haim et al. (2022), keep the forward pass exact and smooth only the backward:
-    sigmoid(alpha z) is the derivative of softplus_alpha(z) = log(1 + e^(alpha z)) / alpha,
-    a ReLU with a rounded corner. The backward is plain differentiable operations, so autograd
-    can differentiate it again (test_recl.py checks it against a slower detach form; docs/cost.md);
-    setup_context and the generated vmap rule let torch.func take it as it is.
+    Reconstruction differentiates *through* gradients of the network, and the step has zero second derivative almost
+    everywhere. Following Haim et al. (2022), keep the forward pass exact and smooth only the backward: sigmoid(alpha z)
+    is the derivative of softplus_alpha(z) = log(1 + e^(alpha z)) / alpha, a ReLU with a rounded corner. The backward
+    is plain differentiable operations, so autograd can differentiate it again (test_recl.py checks it against a slower
+    detach form; docs/cost.md); setup_context and the generated vmap rule let torch.func take it as it is.
     """
     generate_vmap_rule = True
 
@@ -170,8 +164,6 @@ class SmoothBackwardReLUFunction(torch.autograd.Function):
 
 
 class SmoothBackwardReLU(nn.Module):
-    """A ReLU module with the smooth backward pass."""
-
     def __init__(self, alpha):
         super().__init__()
         self.alpha = alpha

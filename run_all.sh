@@ -6,7 +6,7 @@
 #   QUICK=1 bash run_all.sh                 1 seed, 5 epochs, 20 steps: a smoke test, its numbers mean nothing
 #   JOBS=2 METHODS="finetune gpm" bash run_all.sh --epochs 30    your flags go to every run that takes them
 #
-# Knobs: DATASETS (mnist; or mnist-full fashion-mnist cifar10 tinyimagenet, or your .pt files),
+# Knobs: DATASETS (mnist; or fashion-mnist cifar10 tinyimagenet, or your .pt files),
 #   SCENARIOS (cil dil), METHODS (all), VARIANTS (base recl inversion), SEEDS (5), JOBS (1, or one per
 #   GPU in DEVICES), DEVICES ("0 1": the workers take the GPUs in turn), RESULTS (results, or
 #   results/FLAGS for other flags), DATA_ROOT (data), QUICK, DRY_RUN, PYTHON (python).

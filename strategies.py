@@ -4,9 +4,8 @@
     after_backward(model, state)                 may rewrite the .grad of parameters
     after_task(model, loader, state)             after training on a task, on its real data
 
-`state` is a plain dict kept across tasks, starting from the method's hyperparameters
-(`STRATEGIES`, at the end, with the rows each method runs with). ReCL needs no hook: it only
-adds reconstructed samples to the training data, so it composes with every strategy here.
+`state` is a plain dict kept across tasks, starting from the method's hyperparameters (`STRATEGIES`, at the end).
+ReCL needs no hook: it only adds reconstructed samples to the training data, so it composes with every strategy here.
 """
 import copy
 import math
@@ -16,8 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
-# What `python tools/tune.py` searches for every method on a validation split of the
-# training data; each method's own grid and chosen rows are in its entry at the end.
+# What tools/tune.py searches for every method on a validation split, besides the method's own grid (at the end).
 TRAINING_GRID = {"lr": [0.01, 0.05, 0.1], "epochs": [10, 20, 40]}
 RECL = {"variant": ("recl", "inversion"), "paper": False}  # a +ReCL run with its departures (not --paper)
 
@@ -60,8 +58,7 @@ def sample_rows(x, y, n):
     return x[idx], y[idx]
 
 
-def collect(loader):
-    """The rows of a loader's batches, concatenated."""
+def collect(loader):  # the rows of a loader's batches, concatenated
     batches = list(loader)
     return torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])
 
@@ -77,8 +74,7 @@ def append_memory(state, x, y):
 def diagonal_fisher(model, loader, chunk=32):
     """Mean of squared per-sample log-likelihood gradients (empirical Fisher), batch by batch."""
     params = {k: v.detach() for k, v in model.named_parameters()}
-    def sample_loss(p, xi, yi):
-        return F.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])
+    sample_loss = lambda p, xi, yi: F.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])
     per_sample_grads = vmap(grad(sample_loss), in_dims=(None, 0, 0))
     fisher, n = {k: torch.zeros_like(v) for k, v in params.items()}, 0
     for x, y in loader:
@@ -94,8 +90,7 @@ def ewc_after_task(model, loader, state):
     fisher = diagonal_fisher(model, loader)
     for k, old in state.get("fisher", {}).items():
         fisher[k] += pad_to(old, fisher[k].shape)
-    state["fisher"] = fisher
-    state["anchor"] = {k: p.detach().clone() for k, p in model.named_parameters()}
+    state["fisher"], state["anchor"] = fisher, {k: p.detach().clone() for k, p in model.named_parameters()}
 
 
 def ewc_loss(model, x, y, logits, state):
@@ -186,11 +181,9 @@ def layer_inputs(model, x):
 
 
 def extend_basis(basis, activations, threshold):
-    """Grow an orthonormal basis until it holds `threshold` of the activations' energy.
-
-    Saha et al. 2021, Eq. 6-9: project the new representation matrix R off the existing basis,
-    take the SVD of the residual and add its top left singular vectors until
-    ||projection of R||^2 / ||R||^2 reaches the threshold."""
+    """Grow an orthonormal basis until it holds `threshold` of the activations' energy (Saha et al. 2021, Eq. 6-9):
+    project the new representation matrix R off the existing basis, take the SVD of the residual and add its top
+    left singular vectors until ||projection of R||^2 / ||R||^2 reaches the threshold."""
     total = activations.pow(2).sum()
     if basis is not None:
         activations = activations - basis @ (basis.T @ activations)
@@ -205,8 +198,7 @@ def extend_basis(basis, activations, threshold):
 
 def gpm_after_task(model, loader, state):
     bases = state.setdefault("bases", {})
-    # A random subset, as Saha et al. sample theirs: the loader is class-sorted, so its
-    # first rows would hold one class once a task has more than gpm_samples images.
+    # A random subset, as Saha et al. sample theirs: the loader is class-sorted, its first rows would be one class.
     x, y = collect(loader)
     if len(x) > state["gpm_samples"]:
         x, y = sample_rows(x, y, state["gpm_samples"])
@@ -226,10 +218,9 @@ def gpm_after_backward(model, state):
 # --- UPGD: protect useful weights, perturb the others --------------------------
 
 def upgd_after_backward(model, state):
-    """Utility-perturbed gradient descent (Elsayed & Mahmood 2024), global first-order form.
-    utility u = -grad * w (a Taylor estimate of the loss change when w is set to 0), tracked as a
-    bias-corrected running mean and scaled to (0, 1) by a sigmoid of u / max(u). The step uses
-    (grad + noise) * (1 - scaled utility): useful weights barely move, useless ones learn and get perturbed."""
+    """Utility-perturbed gradient descent (Elsayed & Mahmood 2024), global first-order form: utility u = -grad * w (the
+    loss change if w were set to 0, to first order), a running mean scaled to (0, 1) by a sigmoid of u / max(u). The
+    step is (grad + noise) * (1 - scaled utility): useful weights barely move, useless ones learn and get perturbed."""
     beta = state["upgd_beta"]
     state["step"] = state.get("step", 0) + 1
     utility = state.setdefault("utility", {})
@@ -237,10 +228,9 @@ def upgd_after_backward(model, state):
     for k, p in params:
         u = pad_to(utility[k], p.shape) if k in utility else torch.zeros_like(p)
         utility[k] = u.mul_(beta).add_(-p.grad * p.detach(), alpha=1 - beta)
-    correction = 1 - beta ** state["step"]
     global_max = max(u.max() for u in utility.values()).clamp_min(1e-12)
     for k, p in params:
-        scaled = torch.sigmoid(utility[k] / correction / global_max)
+        scaled = torch.sigmoid(utility[k] / (1 - beta ** state["step"]) / global_max)  # bias-corrected
         noise = torch.randn_like(p) * state["upgd_sigma"]
         p.grad = (p.grad + state["upgd_weight_decay"] * p.detach() + noise) * (1 - scaled)
 

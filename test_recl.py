@@ -730,11 +730,11 @@ def write_pt_of_vectors(t, mp):
     return content["x_train"][:, None, None], content["y_train"], content["x_test"][:, None, None], content["y_test"]
 
 @pytest.mark.parametrize("dataset, write", [
-    ("mnist-full", lambda t, mp: write_idx(t / "MNIST" / "raw", 20, 10)), ("cifar10", lambda t, mp: write_cifar(t)),
+    ("cifar10", lambda t, mp: write_cifar(t)),
     ("fashion-mnist", lambda t, mp: write_fashion(t, mp, True)),
     ("fashion-mnist", lambda t, mp: write_fashion(t, mp, False)),
     ("tinyimagenet", write_tinyimagenet), ("my.data.pt", write_pt_of_vectors)],
-    ids=["mnist-full", "cifar10", "fashion-torchvision-first", "fashion-debian", "tinyimagenet", "pt-of-vectors"])
+    ids=["cifar10", "fashion-torchvision-first", "fashion-debian", "tinyimagenet", "pt-of-vectors"])
 
 def test_each_dataset_is_read_from_its_own_files(tmp_path, monkeypatch, dataset, write):
     monkeypatch.chdir(tmp_path)
@@ -859,11 +859,10 @@ REFUSALS = [  # id, words, error, action(tmp_path, monkeypatch)
     ("pt-shapes", "differ in shape", DE, PT(x_test=torch.rand(4, 5))),
     ("one-class", "too few for two tasks", DE, PT(y_train=torch.zeros(4).long(), y_test=torch.zeros(4).long())),
     ("n-per-class", "has only 6 training images, fewer than --n-per-class 7", DE, lambda t, mp: (
-        write_idx(t / "MNIST" / "raw", 60, 10), data.make_tasks("mnist-full", 0, n_per_class=7, data_root=t))),
+        write_idx(t / "FashionMNIST" / "raw", 60, 10), data.make_tasks("fashion-mnist", 0, 7, data_root=t))),
     ("none-to-test", "leaves none to test on", DE, lambda t, mp: data.make_tasks("mnist", 0, n_per_class=500)),
     ("all-no-test", "cannot train on all images", DE, lambda t, mp: data.make_tasks("mnist", 0, n_per_class=None)),
     ("validation", "cannot spare", DE, lambda t, mp: data.validation_split(blob_tasks(), fraction=1.0)),
-    ("mnist-offline", r"MNIST is not under .*OSError", DE, offline_load("mnist-full", torchvision.datasets, "MNIST")),
     ("fashion-offline", "apt-get install dataset-fashion-mnist", DE, offline_load(
         "fashion-mnist", torchvision.datasets, "FashionMNIST", (data, "DEBIAN_FASHION_MNIST", "/nowhere"))),
     ("cifar-offline", "CIFAR10 is not under", DE, offline_load("cifar10", torchvision.datasets, "CIFAR10")),

@@ -1,0 +1,89 @@
+"""What ReCL costs: the seconds and FLOPs of one reconstruction step (Eq. 3-5 and their backward) for the MLP
+(1x28x28) and the CNN (3x32x32) at m = 200 and 800; and Finetune against Finetune+ReCL end to end, seed 0.
+
+    python tools/benchmark.py [--device cuda] [--no-steps | --no-runs] [--out FILE]
+"""
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import config  # noqa: E402
+import judging  # noqa: E402
+import models  # noqa: E402
+import recl  # noqa: E402
+
+
+# FlopCounterMode's module tracker fails inside torch.func.grad (torch 2.14); so its formulas, in a dispatch mode:
+class CountFlops(TorchDispatchMode):
+    """The floating-point operations of every matrix product and convolution run inside it."""
+    flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func._overloadpacket in flop_registry:
+            self.flops += flop_registry[func._overloadpacket](*args, **(kwargs or {}), out_val=out)
+        return out
+
+
+def reconstruction_step(name, input_shape, m, device):
+    """FLOPs and seconds (mean of 5) of one float32 step of step 1 for m candidates over 10 classes."""
+    torch.manual_seed(0)
+    model = models.build_model(name, input_shape, 10).to(device)
+    with torch.no_grad():  # weights moved from their start, as after training
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    net = models.with_smooth_relu(model, 100.0).eval()
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    target, scale = recl.displacement_target(params, model)
+    labels = torch.arange(10, device=device).repeat_interleave(m // 10)
+    x = (1e-3 * torch.randn(len(labels), *input_shape, device=device)).requires_grad_()
+    lam = torch.rand(len(labels), device=device).requires_grad_()
+    L = recl.stationarity_loss(net, params, labels, target, 0.05, None, scale)
+    with CountFlops() as counter:  # forward, backward and double backward; also the warm-up
+        sum(L(x, lam).values()).backward()
+    from torch.utils.benchmark import Timer  # here: importing it can print a CUDA warning
+    timer = Timer("sum(L(x, lam).values()).backward()", globals=locals(), num_threads=torch.get_num_threads())
+    seconds, flops = timer.timeit(5).mean, counter.flops  # after its own warm-up; it waits for the GPU
+    return {"model": name, "m": m, "seconds": seconds, "gflop": flops / 1e9, "gflops": flops / seconds / 1e9}
+
+
+def main():
+    p = config.Parser(prog="benchmark.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
+    p.add_argument("--no-steps", action="store_true", help="skip the per-step timings")
+    p.add_argument("--no-runs", action="store_true", help="skip the end-to-end runs")
+    p.add_argument("--out", help="JSON file (default: results/benchmark-DEVICE.json)")
+    args = p.parse_args()
+    if args.no_runs and args.no_steps:
+        raise config.UsageError("--no-runs with --no-steps leaves nothing to measure")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    out = Path(args.out or f"results/benchmark-{device.type}.json")
+    config.check_writable(out.parent)
+    result = {"machine": config.provenance(), "steps": []}
+    for name, shape in () if args.no_steps else (("mlp", (1, 28, 28)), ("cnn", (3, 32, 32))):
+        for m in (200, 800):
+            result["steps"].append(r := reconstruction_step(name, shape, m, device))
+            print(f"{name}, m = {m}: {r['seconds']:.3f} s per step, {r['gflop']:.2f} GFLOP, {r['gflops']:.0f} GFLOP/s")
+    runs, run_args = {}, config.make_parser().parse_args(["--device", device.type])  # recl.py's defaults
+    config.check(run_args, probe_out=False)
+    for variant in () if args.no_runs else ("base", "recl"):  # Finetune, MNIST, CIL, MLP, seed 0, as recl.py runs
+        run = config.resolve(run_args, 0, variant)
+        tasks, _, mean_image, _ = config.make_tasks(run)
+        judge = lambda old, x, y: judging.report_reconstruction("", old, x, run, mean_image, log=lambda *a: None)
+        r = recl.run_continual(run, tasks, lambda *a: None, judge)
+        runs[name := config.variant_name("finetune", variant)] = {k: r[k] for k in ("seconds", "ACC", "phase_seconds")}
+        print(f"{name}: {r['seconds']:.1f} s, ACC {r['ACC']:.2f}, "
+              f"of which reconstruction {r['phase_seconds']['reconstruct']:.1f} s")
+    if runs:
+        result["runs"] = {**runs, "ratio": runs["finetune+recl"]["seconds"] / runs["finetune"]["seconds"]}
+        print(f"Finetune+ReCL / Finetune: {result['runs']['ratio']:.1f}x")
+    config.write_json_atomically(out, result)
+    print(f"-> {out}")
+
+
+if __name__ == "__main__":
+    config.run_from_command_line(main, "benchmark.py")
