@@ -1,8 +1,7 @@
-"""What one run is, and the command line that asks for it. Every setting is one field of
-`Config`: its default (the MLP's +ReCL run on SplitMNIST), help and valid range, from which
-`make_parser` and `check` make the flags and checks. Named rows change defaults for a
-network, a method (its rows sit in strategies.py), `--paper` and the inversion control;
-`resolve` applies them, a flag given wins. A run's digest names its result file."""
+"""What one run is, and the command line that asks for it. Every setting is one field of `Config`: its default
+(the MLP's +ReCL run on SplitMNIST), help and valid range, from which `make_parser` and `check` make the flags and
+checks. Named rows change defaults for a network, a method (its rows sit in strategies.py), `--paper` and the
+inversion control; `resolve` applies them, a flag given wins. A run's digest names its result file."""
 import argparse
 import dataclasses
 import functools
@@ -22,6 +21,7 @@ import strategies
 
 METHODS = list(strategies.STRATEGIES)
 RECL = strategies.RECL["variant"]  # the variants that reconstruct: +ReCL, and its pipeline with the inversion control
+show = lambda value: f"{value:g}" if isinstance(value, float) else str(value)  # as help and header print a value
 
 
 def setting(default, help, low=None, high=None, above=None, choices=None, kind=None, flag=True):
@@ -34,7 +34,6 @@ def per_class(text):
     return text if text == "all" else int(text)
 
 
-POSITIVE = dict(above=0)
 COUNT = dict(above=0, high=100_000)  # far beyond any study here, far short of forever
 
 
@@ -43,7 +42,7 @@ class Config:
     """Every value one run uses. The fields from `m` to `trials` are the +ReCL variant's: None for
     the method alone, and those of Eq. 3-5 None for the inversion control, which does not use them."""
     # what runs
-    dataset: str = setting("mnist", "mnist (shipped), mnist-full, fashion-mnist, cifar10, tinyimagenet, or a .pt")
+    dataset: str = setting("mnist", "mnist (shipped), fashion-mnist, cifar10, tinyimagenet, or a .pt")
     scenario: str = setting("cil", "class-incremental (a growing head) or domain-incremental (one head)",
                             choices=["cil", "dil"])
     method: str = setting("finetune", "the continual-learning method", choices=METHODS)
@@ -52,14 +51,14 @@ class Config:
                          choices=models.MODELS)
     seed: int = setting(0, "first seed: class order, init and shuffles", low=0)
     # data
-    n_per_class: int | None = setting(100, "training images per class, or 'all'", kind=per_class, **POSITIVE)
-    classes_per_task: int = setting(2, "classes per task", **POSITIVE)
+    n_per_class: int | None = setting(100, "training images per class, or 'all'", kind=per_class, above=0)
+    classes_per_task: int = setting(2, "classes per task", above=0)
     validation: bool = setting(False, "score on 20%% of each task's training images, held out, not the test set")
-    data_root: str = setting("data", "where mnist-full, fashion-mnist, cifar10 and tinyimagenet live")
+    data_root: str = setting("data", "where fashion-mnist, cifar10 and tinyimagenet live")
     # training (Step 2)
     lr: float = setting(0.05, "SGD learning rate", above=0, high=10.0)
     epochs: int = setting(20, "epochs per task", above=0, high=10_000)
-    batch_size: int = setting(64, "training batch size", **POSITIVE)
+    batch_size: int = setting(64, "training batch size", above=0)
     ce_scope: str = setting("all", "CIL, departure 8: the task's own images scored over all classes, over its new "
                             "classes only (new), or also the replayed ones over the old only (local)",
                             choices=["all", "new", "local"])
@@ -68,17 +67,16 @@ class Config:
     m: int | None = setting(None, "candidates per old class (in DIL per class and old task); "
                             "default: as many as training images per class", kind=int, **COUNT)
     n_rec: int | None = setting(100, "reconstruction steps before each task", **COUNT)
-    sigma_x: float | None = setting(1e-3, "std of the initial random candidates", **POSITIVE)
+    sigma_x: float | None = setting(1e-3, "std of the initial random candidates", above=0)
     lr_x: float | None = setting(3.0, "step size of the candidates", above=0, high=1000.0)
     lr_lambda: float | None = setting(0.1, "step size of the lambdas", above=0, high=1000.0)
-    lambda_min: float | None = setting(0.05, "Eq. 4 pushes each lambda_i above this", **POSITIVE)
-    alpha: float | None = setting(100.0, "sharpness of the smooth ReLU's backward", **POSITIVE)
+    lambda_min: float | None = setting(0.05, "Eq. 4 pushes each lambda_i above this", above=0)
+    alpha: float | None = setting(100.0, "sharpness of the smooth ReLU's backward", above=0)
     rec_target: str | None = setting("displacement", "departure 1: what Eq. 3 fits, theta - theta_0 or theta "
                                      "as written (weights)", choices=["weights", "displacement"])
     freeze_old: bool | None = setting(True, "departure 2: classes reconstructed before keep their candidates")
     filter: bool | None = setting(True, "departure 3: replay only candidates the model files under their label")
-    replay_noise: float | None = setting(2.5, "departure 4: std of fresh noise on replayed rows, in pixel stds",
-                                         low=0)
+    replay_noise: float | None = setting(2.5, "departure 4: std of fresh noise on replayed rows, in pixel stds", low=0)
     ce_weight: float | None = setting(3e-4, "departure 5: weight of inversion's cross-entropy added to Eq. 6", low=0)
     rec_optimizer: str | None = setting("sgd", "departure 6: the candidates' optimiser", choices=["sgd", "adam"])
     replay_batch: int | None = setting(0, "departure 9: reconstructions drawn into each batch of the task's "
@@ -100,6 +98,8 @@ class Config:
 FIELDS = [f.name for f in dataclasses.fields(Config)]
 RECL_FIELDS = FIELDS[FIELDS.index("m"):FIELDS.index("paper")]  # what the method alone does not use
 CONTROL = {"lr_lambda": None, "lambda_min": None, "rec_target": None, "ce_weight": None}  # no Eq. 3-4, no term
+PAPER = {"rec_target": "weights", "freeze_old": False, "filter": False, "replay_noise": 0.0, "ce_weight": 0.0,
+         "rec_optimizer": "sgd", "replay_batch": 0, "ce_scope": "all", "backtrack": False, "budget": "alone"}  # --paper
 
 # ==== The rows: (name, when, what changes), read in this order =======================================================
 # A row applies when each field in `when` has that value (or one of a tuple) among the
@@ -117,9 +117,7 @@ ROWS = [
     ("network: alexnet", {**strategies.RECL, "model": "alexnet"}, {"backtrack": True, "budget": "alone"}),
     ("network: resnet18", {**strategies.RECL, "model": "resnet18"},
      {"rec_optimizer": "adam", "m": 10, "n_rec": 15, "replay_batch": 32, "replay_noise": 1.0, "backtrack": True}),
-    ("paper", {"paper": True, "variant": RECL},  # every departure off, the method's own training budget
-     {"rec_target": "weights", "freeze_old": False, "filter": False, "replay_noise": 0.0, "ce_weight": 0.0,
-      "rec_optimizer": "sgd", "replay_batch": 0, "ce_scope": "all", "backtrack": False, "budget": "alone"}),
+    ("paper", {"paper": True, "variant": RECL}, PAPER),  # every departure off, the method's own training budget
     "methods",  # "method: NAME", each method's rows from strategies.py, in their order
     # the candidates' step size goes with what they minimise and how, under --paper too (departures.md, 1, 6)
     ("steps: inversion", {"variant": "inversion"}, {"lr_x": 0.003}),
@@ -139,10 +137,6 @@ def rows():
     return [row for entry in ROWS for row in (methods if entry == "methods" else [entry])]
 
 
-def matches(when, values):
-    return all(values.get(k) in (v if isinstance(v, tuple) else (v,)) for k, v in when.items())
-
-
 def resolve(args, seed, variant):
     """The Config of one run from the command line's `args` (None: not given): Config's defaults,
     the flags given over them, then each row of `rows()` that matches the values so far; a row
@@ -156,7 +150,7 @@ def resolve(args, seed, variant):
     values = {**dataclasses.asdict(Config()), **own, "seed": seed, "variant": variant, **given}
     set_by = {k: "flag" for k in given if k in FIELDS or k in own}
     for name, when, changes in rows():
-        if matches(when, values):
+        if all(values.get(k) in (v if isinstance(v, tuple) else (v,)) for k, v in when.items()):
             values.update({k: v for k, v in changes.items() if k not in given})
             set_by.update({k: name for k in changes if k not in given})
     values["hp"] = {k: values.pop(k) for k in own}
@@ -172,7 +166,6 @@ def resolve(args, seed, variant):
 
 
 def variants(args):
-    """The variants `--variant` and `--rec-objective` ask for."""
     recl = "inversion" if args.rec_objective == "inversion" else "recl"
     if args.method == "joint":
         return ["base"]
@@ -180,7 +173,6 @@ def variants(args):
 
 
 # ==== The flags, made from the fields, and the checks made before anything trains ====================================
-
 class UsageError(Exception):  # bad command-line input, printed as one line
     pass
 
@@ -207,27 +199,18 @@ def method_hyperparameter(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not KEY=NUMBER") from None
 
 
-def default_of(name):
-    """A field's default and each row that changes it, for its help."""
-    show = lambda v: f"{v:g}" if isinstance(v, float) else str(v)
-    changed = [f"{row} {show(changes[name])}" for row, _, changes in rows() if changes.get(name) is not None]
-    return f"(default: {show(getattr(Config(), name))}" + (f"; rows: {', '.join(changed)}" if changed else "") + ")"
-
-
 def make_parser(prog="recl.py", description=None):
     """One flag per Config field, each defaulting to None ("not given"), and the few that are not settings."""
     p = Parser(prog=prog, description=description or "Train a continual-learning method with and without ReCL on "
                "a stream of tasks; one JSON file per run. Defaults: config.Config.")
-    for f in dataclasses.fields(Config):
-        meta = f.metadata
-        if not meta.get("flag"):
-            continue
-        kind = meta["kind"] or type(f.default)
-        kwargs = ({"action": "store_true" if f.name in ("validation", "paper") else argparse.BooleanOptionalAction,
-                   "default": None} if kind is bool else {"type": kind, "choices": meta["choices"]})
-        if f.name in ("scenario", "method", "model", "dataset", "seed"):  # what runs is always known
-            kwargs["default"] = f.default
-        p.add_argument(f"--{f.name.replace('_', '-')}", help=f"{meta['help']} {default_of(f.name)}", **kwargs)
+    for f in (f for f in dataclasses.fields(Config) if f.metadata.get("flag")):
+        kind = f.metadata["kind"] or type(f.default)
+        kwargs = ({"action": "store_true" if f.name in ("validation", "paper") else argparse.BooleanOptionalAction}
+                  if kind is bool else {"type": kind, "choices": f.metadata["choices"]})
+        known = f.name in ("scenario", "method", "model", "dataset", "seed")  # what runs is always known
+        changed = [f"{row} {show(changes[f.name])}" for row, _, changes in rows() if changes.get(f.name) is not None]
+        help = f"{f.metadata['help']} (default: {show(f.default)}" + "; rows: " * bool(changed) + ", ".join(changed)
+        p.add_argument(f"--{f.name.replace('_', '-')}", help=help + ")", default=f.default if known else None, **kwargs)
     p.add_argument("--variant", choices=["both", "base", "recl"], help="the method alone, with ReCL, or both")
     p.add_argument("--rec-objective", choices=["stationarity", "inversion"],
                    help="Eq. 3-6, or plain model inversion, the control (default: stationarity)")
@@ -246,32 +229,16 @@ RECL_FLAGS = [k for k in RECL_FIELDS if k != "budget"] + ["paper", "rec_objectiv
 given = lambda args, name: getattr(args, name, None) is not None
 
 
-def check_range(name, value):
-    """One line if a flag's number lies outside its field's range."""
-    meta = Config.__dataclass_fields__[name].metadata
-    if value is None or isinstance(value, str) or not meta or meta["choices"]:
-        return
-    flag = f"--{name.replace('_', '-')}"
-    if not math.isfinite(value):
-        raise UsageError(f"{flag} must be a finite number, got {value}")
-    if meta["above"] is not None and not value > meta["above"]:
-        raise UsageError(f"{flag} must be > {meta['above']}, got {value}")
-    if meta["low"] is not None and not value >= meta["low"]:
-        raise UsageError(f"{flag} must be >= {meta['low']}, got {value}")
-    if meta["high"] is not None and value > meta["high"]:
-        raise UsageError(f"{flag} {value:g} is above {meta['high']:g}, far beyond what any run here uses")
-
-
 # What no field can say alone: (refused when, why), for the runs asked for.
 def combinations(a):
-    alone = a.method == "joint" or a.variant == "base"
     return [
+        (a.seed + (a.seeds or 1) > 2 ** 31, f"--seed plus --seeds must stay below {2 ** 31}, got {a.seed}"),
         (a.seeds is not None and not 0 < a.seeds <= 1000, f"--seeds must be from 1 to 1000, got {a.seeds}"),
         (not str(a.out).strip(), "--out is empty; it must name a folder"),
         (a.scenario == "dil" and a.classes_per_task == 1, "--classes-per-task 1 in DIL gives every task one label"),
         (a.method == "joint" and a.variant not in (None, "base"),
          f"--variant {a.variant}: joint trains on all tasks at once and has nothing to reconstruct"),
-        (alone and any(given(a, k) for k in RECL_FLAGS),
+        ((a.method == "joint" or a.variant == "base") and any(given(a, k) for k in RECL_FLAGS),
          f"--{next((k for k in RECL_FLAGS if given(a, k)), '').replace('_', '-')} applies to the +ReCL variant "
          f"only; {'joint has none' if a.method == 'joint' else '--variant base runs the method alone'}"),
         (a.rec_objective == "inversion" and any(given(a, k) for k in CONTROL),
@@ -296,11 +263,18 @@ def combinations(a):
 def check(args, probe_out=True):
     """Refuse, in one line, what makes no sense or would do nothing, before any work starts.
     Fills args.hp as a dict of typed values; `probe_out`: also check that --out takes files."""
-    for name in FIELDS:
-        if name != "n_per_class" or args.n_per_class != "all":
-            check_range(name, getattr(args, name, None))
-    if args.seed + (args.seeds or 1) > 2 ** 31:
-        raise UsageError(f"--seed plus --seeds must stay below {2 ** 31}, got {args.seed}")
+    for f in dataclasses.fields(Config):  # each number a flag gives, within its field's range
+        value, meta, flag = getattr(args, f.name, None), f.metadata, f"--{f.name.replace('_', '-')}"
+        if value is None or isinstance(value, str) or not meta or meta["choices"]:
+            continue
+        if not math.isfinite(value):
+            raise UsageError(f"{flag} must be a finite number, got {value}")
+        if meta["above"] is not None and not value > meta["above"]:
+            raise UsageError(f"{flag} must be > {meta['above']}, got {value}")
+        if meta["low"] is not None and not value >= meta["low"]:
+            raise UsageError(f"{flag} must be >= {meta['low']}, got {value}")
+        if meta["high"] is not None and value > meta["high"]:
+            raise UsageError(f"{flag} {value:g} is above {meta['high']:g}, far beyond what any run here uses")
     for refused, why in combinations(args):
         if refused:
             raise UsageError(why)
@@ -326,25 +300,6 @@ def check_writable(folder):
         raise UsageError(f"--out {folder}: cannot write results there ({err.strerror or err})") from None
 
 
-# Numbers held per input, as multiples of its layers' outputs, measured on the CNN for a
-# reconstruction step and a training step (docs/cost.md, "Memory"), rounded up.
-STEP_COPIES, TRAIN_COPIES = 4, 2
-
-
-def layer_outputs(net, shape):
-    """How many numbers the network's layers output for one input of `shape`."""
-    sizes = []
-    hooks = [m.register_forward_hook(lambda m, i, out: sizes.append(out.numel())) for m in net.modules()
-             if not list(m.children())]
-    try:
-        with torch.no_grad():
-            net.eval()(torch.zeros(1, *shape))
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return sum(sizes)
-
-
 def check_tasks(tasks, cfg):
     """Before the first task trains: a network that takes the images, the memory the run will
     fill (docs/cost.md, "Memory"), and training and test images for every class of every task."""
@@ -354,27 +309,31 @@ def check_tasks(tasks, cfg):
     except ValueError as err:
         raise UsageError(f"--model {cfg.model}: {err}") from None
     if cfg.variant != "base":
-        numel, per_task = shape.numel(), len(tasks[0].classes)
-        last, acts = per_task * (len(tasks) - 1), layer_outputs(net, shape)
+        sizes = []  # the numbers each layer outputs for one image; the network is dropped after
+        for layer in (m for m in net.modules() if not list(m.children())):
+            layer.register_forward_hook(lambda m, i, out: sizes.append(out.numel()))
+        with torch.no_grad():
+            net.eval()(torch.zeros(1, *shape))
+        numel, per_task, acts = shape.numel(), len(tasks[0].classes), sum(sizes)
+        last = per_task * (len(tasks) - 1)
         # the most candidates one backward pass goes through: with --freeze-old the newest classes' each
         # step, and once before the steps the kept ones'; without it, all of them each step
         in_pass = cfg.m * (max(per_task, last - per_task) if cfg.freeze_old else last)
         batch = cfg.replay_batch + cfg.batch_size
         have = (torch.cuda.mem_get_info()[0] if cfg.device == "cuda"
-                else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-        for what, rows_, need in ((f"--m {cfg.m} candidates per class", cfg.m * last,
-                                   cfg.m * last * numel + in_pass * STEP_COPIES * acts),
-                                  (f"--replay-batch {cfg.replay_batch} with --batch-size {cfg.batch_size}", batch,
-                                   batch * (numel + TRAIN_COPIES * acts))):
-            if 4 * need > have:
-                raise UsageError(f"{what}: {rows_:,} images of {numel:,} numbers and their activations need about "
-                                 f"{4 * need / 2**30:,.1f} GiB, more than the {have / 2**30:,.1f} GiB of "
-                                 f"{cfg.device} memory")
-    split = "validation" if cfg.validation else "test"
+                else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / 2**30  # GiB
+        # per image, 4 copies of its layers' outputs in a reconstruction step, 2 in training (the CNN's, rounded up)
+        for what, images, held in ((f"--m {cfg.m} candidates per class", cfg.m * last, in_pass * 4 * acts),
+                                   (f"--replay-batch {cfg.replay_batch} with --batch-size {cfg.batch_size}", batch,
+                                    batch * 2 * acts)):
+            need = 4 * (images * numel + held) / 2**30  # GiB, 4 bytes a number
+            if need > have:
+                raise UsageError(f"{what}: {images:,} images of {numel:,} numbers and their activations need about "
+                                 f"{need:,.1f} GiB, more than the {have:,.1f} GiB of {cfg.device} memory")
     for t, task in enumerate(tasks):
         for label, c in enumerate(task.classes):
             own = label if cfg.scenario == "dil" else label + t * len(task.classes)
-            for name, y in (("training", task.y_train), (split, task.y_test)):
+            for name, y in (("training", task.y_train), ("validation" if cfg.validation else "test", task.y_test)):
                 if not (y == own).any():
                     raise UsageError(f"{cfg.dataset}: class {c} of task {t + 1} has no {name} images" + (
                         " left: --validation holds out a fifth; give a larger --n-per-class" if cfg.validation else ""))
@@ -382,15 +341,12 @@ def check_tasks(tasks, cfg):
 
 def make_tasks(cfg):
     """The run's tasks (its validation split with --validation), class order, mean image, classes left out."""
-    tasks, order, mean_image, left_out = data.make_tasks(cfg.dataset, cfg.seed, cfg.n_per_class, cfg.scenario,
-                                                         cfg.classes_per_task, cfg.data_root)
-    if cfg.validation:
-        tasks = data.validation_split(tasks, 0.2, cfg.seed)
-    return tasks, order, mean_image, left_out
+    tasks, *rest = data.make_tasks(cfg.dataset, cfg.seed, cfg.n_per_class, cfg.scenario, cfg.classes_per_task,
+                                   cfg.data_root)
+    return data.validation_split(tasks, 0.2, cfg.seed) if cfg.validation else tasks, *rest
 
 
 # ==== Names, and results on disk =====================================================================================
-
 NOT_IN_DIGEST = ("seed", "device", "data_root", "set_by")  # where it ran does not define a run
 
 
@@ -411,7 +367,6 @@ file_sha256 = lambda path: _sha256(Path(path).resolve(), Path(path).stat().st_mt
 
 
 def variant_name(method, variant):
-    """'gpm', 'gpm+recl', or 'gpm+inversion'."""
     return method + ("" if variant == "base" else f"+{variant}")
 
 
@@ -438,24 +393,20 @@ def describe(cfg):
             f"epochs, batch {cfg.batch_size}, ce_scope {cfg.ce_scope}")
     text += "".join(f", {k} {v:g}" for k, v in cfg.hp.items())
     if cfg.variant != "base":
-        values = [f"{k} {getattr(cfg, k):g}" if isinstance(getattr(cfg, k), float) else f"{k} {getattr(cfg, k)}"
-                  for k in RECL_FIELDS if getattr(cfg, k) is not None]
-        paper = next(changes for name, _, changes in rows() if name == "paper")
-        except_ = [k for k, v in paper.items() if cfg.paper and getattr(cfg, k) != v]
-        text += (" | " + ("" if not cfg.paper else f"the paper as written, except {', '.join(except_)}: "
-                          if except_ else "the paper as written: ") + ", ".join(values))
-    by = {}
-    for k, source in cfg.set_by.items():
-        by.setdefault(source, []).append(k)
-    by_source = "; ".join(f"{s}: {', '.join(ks)}" for s, ks in by.items())
-    return text + f" | set by {by_source}; the rest Config's defaults, set for the MLP | config {digest(cfg)}"
+        except_ = [k for k, v in PAPER.items() if getattr(cfg, k) != v]  # a flag given wins over --paper's row
+        paper = f"the paper as written{', except ' * bool(except_)}{', '.join(except_)}: " if cfg.paper else ""
+        values = (f"{k} {show(getattr(cfg, k))}" for k in RECL_FIELDS if getattr(cfg, k) is not None)
+        text += " | " + paper + ", ".join(values)
+    sources = dict.fromkeys(cfg.set_by.values())  # each row or "flag", in the order it first set a value
+    by = "; ".join(f"{s}: {', '.join(k for k in cfg.set_by if cfg.set_by[k] == s)}" for s in sources)
+    return text + f" | set by {by}; the rest Config's defaults, set for the MLP | config {digest(cfg)}"
 
 
 @functools.cache  # once per process: the code it loaded, whatever is committed while it runs
 def provenance():
     """What made a result, beyond its config: code version, library, machine."""
-    here = Path(__file__).resolve().parent
-    git = lambda *a: subprocess.run(["git", *a], cwd=here, capture_output=True, text=True, timeout=10).stdout.strip()
+    git = lambda *a: subprocess.run(["git", *a], cwd=Path(__file__).resolve().parent, capture_output=True, text=True,
+                                    timeout=10).stdout.strip()
     try:
         commit = git("rev-parse", "--short", "HEAD") or None
         dirty = bool(commit) and bool(git("status", "--porcelain", "--untracked-files=no"))
@@ -476,8 +427,7 @@ def write_atomically(path, text):
     os.replace(tmp, path)
 
 
-def write_json_atomically(path, record):
-    write_atomically(path, json.dumps(record, indent=1))
+write_json_atomically = lambda path, record: write_atomically(path, json.dumps(record, indent=1))
 
 
 def run_from_command_line(main, program):

@@ -13,6 +13,7 @@ import os
 import pickle
 import shutil
 import sys
+import xml.etree.ElementTree as ET
 
 import pytest
 import torch
@@ -995,6 +996,7 @@ def test_a_refused_pt_leaves_no_results_folder_behind(tmp_path):
 
 sys.path.insert(0, str(HERE / "tools"))
 import plan  # noqa: E402
+from tools import aggregate, benchmark  # noqa: E402
 
 
 def planned(monkeypatch, tmp_path, *flags, **knobs):
@@ -1066,3 +1068,95 @@ def test_a_failing_run_is_named_and_stops_no_other(tmp_path):
     code, _, err = run_all(PYTHON=python, METHODS="finetune ewc", SCENARIOS="cil", VARIANTS="base", SEEDS="2",
                            RESULTS=str(tmp_path / "r"))
     assert code != 0 and err.count("run_all: FAILED:") == 2 and len((tmp_path / "ran").read_text().splitlines()) == 2
+
+# ==== 8. The tools: tables and charts, tuning, the benchmark ===================================================
+
+def test_aggregate_averages_each_config_over_its_seeds(tmp_path):
+    for seed, (acc, bwt) in enumerate([(50, -40), (60, -30), (70, -20)]):
+        config.write_json_atomically(tmp_path / f"ewc-{seed}.json", fake_record("ewc", "base", seed, acc, bwt))
+    config.write_json_atomically(tmp_path / "recl.json", fake_record("ewc", "recl", 0, 80, -5))
+    rows = [line for line in aggregate.aggregate(tmp_path, QUIET).splitlines() if line.startswith("| ewc")]
+    assert rows == ["| ewc | 3 | 60.00 (10.00) | -30.00 (10.00) |  |  | 1.0 |  |",
+                    "| ewc+recl | 1 | 80.00 | -5.00 |  | 0.0 | 1.0 |  |"]
+
+
+def test_aggregate_skips_a_malformed_file_and_a_record_whose_bwt_is_not_a_number(tmp_path):
+    config.write_json_atomically(tmp_path / "good.json", fake_record("ewc", "base", 0, 50, -40))
+    config.write_json_atomically(tmp_path / "joint.json", fake_record("joint", "base", 0, 90, None))  # no BWT: fine
+    config.write_json_atomically(tmp_path / "text.json", fake_record("ewc", "base", 1, 60, "-30"))
+    (tmp_path / "broken.json").write_text('{"ACC"')
+    said = []
+    rows = [line.split(" | ")[:3] for line in aggregate.aggregate(tmp_path, said.append).splitlines()
+            if line.startswith(("| ewc", "| joint"))]
+    skipped = [line for line in said if line.startswith("skipping")]
+    assert (skipped, rows) == ([f"skipping {tmp_path / 'broken.json'}: unreadable (Expecting ':' delimiter: "
+                                "line 1 column 7 (char 6))", f"skipping {tmp_path / 'text.json'}: BWT is not a number "
+                                "('-30')"],
+                               [["| ewc", "1", "50.00"], ["| joint", "1", "90.00"]])  # each counted once
+
+
+def test_the_chart_draws_each_variant_at_its_mean_over_seeds(tmp_path):
+    for seed, acc in enumerate([50.0, 52.0]):
+        config.write_json_atomically(tmp_path / f"b{seed}.json", fake_record("finetune", "base", seed, acc, -10.0))
+    config.write_json_atomically(tmp_path / "r.json", fake_record("finetune", "recl", 0, 70.0, -5.0))
+    aggregate.aggregate(tmp_path, QUIET)
+    bars = [r for r in ET.parse(tmp_path / "chart-mnist.svg").getroot().iter("{http://www.w3.org/2000/svg}rect")
+            if r.get("class") == "bar"]
+    assert {(b.get("data-method"), b.find("{http://www.w3.org/2000/svg}title").text, float(b.get("height")))
+            for b in bars} == {("finetune", "finetune CIL: 51.00 (1.41), 2 seeds", 122.4),
+                               ("finetune+recl", "finetune+recl CIL: 70.00, 1 seed", 168.0)}  # 240 px: 100%
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["tools/aggregate.py", "/nonexistent"], "aggregate.py: error: /nonexistent is not a folder"),
+    (["tools/tune.py", "--lr", "0.1"], "tune.py: error: tune chooses --lr itself; leave it out"),
+    (["tools/benchmark.py", "--no-runs", "--no-steps"], "benchmark.py: error: --no-runs with --no-steps leaves "
+                                                         "nothing to measure")])
+def test_each_tool_refuses_in_one_line(argv, error):
+    code, _, err = command(sys.executable, *argv)
+    assert (code != 0, err.splitlines()) == (True, [error])
+
+
+def test_the_benchmark_counts_a_reconstruction_steps_flops_as_before():
+    # 295,200,000: what experiments.CountFlops counted for this step (torch 2.14), the matrix products of
+    # 20 candidates through the 64-1000-1000-10 MLP, forward, backward and double backward
+    row = benchmark.reconstruction_step("mlp", (1, 8, 8), 20, torch.device("cpu"))
+    assert row["gflop"] * 1e9 == pytest.approx(295_200_000)
+
+
+def test_the_flop_counter_counts_a_product_and_a_convolution_with_their_backward_by_hand():
+    x, w = torch.randn(5, 7, requires_grad=True), torch.randn(3, 7, requires_grad=True)
+    image, kernel = torch.randn(2, 3, 9, 9, requires_grad=True), torch.randn(4, 3, 3, 3, requires_grad=True)
+    with benchmark.CountFlops() as product:
+        (x @ w.T).sum().backward()
+    with benchmark.CountFlops() as convolution:  # torch.profiler misses the convolution's backward
+        torch.nn.functional.conv2d(image, kernel, stride=2).sum().backward()
+    # forward and two backward products, each 2 flops per multiply-add; the convolution at 2 x 4 x 4 x 4 positions
+    assert (product.flops, convolution.flops) == (3 * 2 * 5 * 7 * 3, 3 * 2 * (2 * 4 * 4 * 4) * 3 * 3 * 3)
+
+
+def test_the_accuracy_matrix_draws_one_line_per_task_and_variant(tmp_path):
+    for variant, acc in (("base", 50.0), ("recl", 70.0)):
+        config.write_json_atomically(tmp_path / f"{variant}.json", fake_record("finetune", variant, 0, acc, -1.0))
+    aggregate.aggregate(tmp_path, QUIET)
+    lines = ET.parse(tmp_path / "matrix-mnist-cil-finetune.svg").getroot().iter("{http://www.w3.org/2000/svg}polyline")
+    assert {(line.get("data-panel"), line.get("data-task")) for line in lines} == {("method", "1"), ("+ReCL", "1")}
+
+def test_the_readmes_table_is_what_its_runs_give(tmp_path):
+    shutil.copytree(HERE / "docs/runs/table", tmp_path / "t")  # aggregate draws its charts there
+    means = {}
+    for block in aggregate.aggregate(tmp_path / "t", QUIET).split("### ")[1:]:
+        scenario = block.split(",")[1].split()[0].lower()
+        for line in block.splitlines()[4:]:
+            if line.startswith("| "):
+                cells = [c.strip() for c in line.strip("|").split("|")]
+                means[scenario, cells[0]] = (cells[2].split()[0], cells[3].split()[0])
+    readme = (HERE / "README.md").read_text()
+    for scenario in ("cil", "dil"):
+        section = readme.split(f"**{scenario.upper()}** (joint: ")[1]
+        assert section.startswith(means[scenario, "joint"][0])
+        for line in section.split("\n\n")[1].splitlines()[2:]:
+            cells = [c.strip().strip("*") for c in line.strip("|").split("|")]
+            method = cells[0].lower().replace("-", "")
+            runs = [means[scenario, method + suffix] for suffix in ("", "+recl", "+inversion")]
+            assert cells[1:4] + cells[5:8] == [acc for acc, _ in runs] + [bwt for _, bwt in runs], line

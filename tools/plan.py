@@ -1,9 +1,5 @@
-"""run_all.sh's list: every run its knobs and flags ask for, each checked before any runs,
-less those whose result file exists. Prints the results folder on the first line, then one
-runnable command per run left to do (run them from the repository's folder).
-
-    python tools/plan.py [recl.py flags]     knobs from the environment, as run_all.sh documents
-"""
+"""run_all.sh's list, from `python tools/plan.py [recl.py flags]` and the knobs in the environment: the results folder,
+then one command per run asked for, each checked before any runs, less those whose result file exists."""
 import os
 import shlex
 import sys
@@ -13,18 +9,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import config  # noqa: E402
 import data  # noqa: E402
 
-OWN = ("--out", "--method", "--variant", "--scenario", "--dataset", "--seed", "--seeds", "--rec-objective",
-       "--data-root")  # what run_all sets per run
-
 
 def knob(name, default, allowed=None):
-    """A knob's words, each one of `allowed` if given; one line and exit 2 otherwise."""
     words = os.environ.get(name, default).split()
     if not words:
         raise config.UsageError(f"{name} is empty; it takes some of: {' '.join(allowed or [])}")
-    for word in words if allowed else ():
-        if word not in allowed:
-            raise config.UsageError(f'{name}="{os.environ[name]}": {word} is not one of: {" ".join(allowed)}')
+    for word in (w for w in words if allowed and w not in allowed):
+        raise config.UsageError(f'{name}="{os.environ[name]}": {word} is not one of: {" ".join(allowed)}')
     return words
 
 
@@ -37,92 +28,72 @@ def number(name, default, most):
 
 def flags_of(settings):
     """Command-line words for {dest: value}, as make_parser reads them."""
-    words = []
     for dest, value in settings.items():
         flag = "--" + dest.replace("_", "-")
-        if dest == "hp":
-            words += [w for k, v in value for w in ("--hp", f"{k}={v:g}")]
-        elif value is True or value is False:
-            words += [flag if value else "--no-" + flag[2:]]
-        else:
-            words += [flag, str(value)]
-    return words
+        yield from ([w for k, v in value for w in (flag, f"{k}={v:g}")] if dest == "hp"
+                    else [flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [flag, str(value)])
 
 
-def plan(argv, env_cwd):
+def plan(argv, cwd):
+    own = "--out --method --variant --scenario --dataset --seed --seeds --rec-objective --data-root".split()  # per run
+    for word in (w.split("=")[0] for w in argv if w.split("=")[0] in own):
+        raise config.UsageError(f"{word} is run_all's to set per run: use its knobs")
     parser = config.make_parser()
-    for word in argv:
-        if word.split("=")[0] in OWN:
-            raise config.UsageError(f"{word.split('=')[0]} is run_all's to set per run: use its knobs")
-    asked, plain = vars(parser.parse_args(argv)), vars(parser.parse_args([]))
-    given = {k: v for k, v in asked.items() if v != plain[k] and v is not None  # the same for any spelling
-             and k not in ("quiet", "skip_done")}  # every line has them
-    for name in ("QUICK", "DRY_RUN"):
-        if os.environ.get(name, "0") not in ("0", "1"):
-            raise config.UsageError(f'{name} must be 0 or 1, got "{os.environ[name]}"')
-    quick = os.environ.get("QUICK", "0") == "1"
-    seeds = number("SEEDS", 1 if quick else 5, 1000)
-    jobs = number("JOBS", max(1, len(os.environ.get("DEVICES", "").split())), 4 * os.cpu_count())
-    devices = os.environ.get("DEVICES", "").split()
+    given = {k: v for k, v in vars(parser.parse_args(argv)).items()  # the same for any spelling
+             if v not in (None, parser.get_default(k)) and k not in ("quiet", "skip_done")}  # every line has them
+    for name in (n for n in ("QUICK", "DRY_RUN") if os.environ.get(n, "0") not in ("0", "1")):
+        raise config.UsageError(f'{name} must be 0 or 1, got "{os.environ[name]}"')
+    quick, devices = os.environ.get("QUICK") == "1", os.environ.get("DEVICES", "").split()
+    seeds, jobs = number("SEEDS", 1 if quick else 5, 1000), number("JOBS", max(1, len(devices)), 4 * os.cpu_count())
     if not all(d.isdigit() for d in devices) or len(devices) > jobs:
         raise config.UsageError(f'DEVICES lists GPU numbers, at most JOBS={jobs} of them, like "0 1"; got "'
                                 f'{os.environ.get("DEVICES")}"')
     if devices and os.environ.get("DRY_RUN") == "1":
         raise config.UsageError("DEVICES places run_all's own workers; DRY_RUN=1 only lists runs")
-    methods, scenarios = knob("METHODS", " ".join(config.METHODS), config.METHODS), knob("SCENARIOS", "cil dil",
-                                                                                         ["cil", "dil"])
+    methods = knob("METHODS", " ".join(config.METHODS), config.METHODS)
+    scenarios = knob("SCENARIOS", "cil dil", ["cil", "dil"])
     variants = knob("VARIANTS", "base recl inversion", ["base", "recl", "inversion"])
-    datasets = [str(env_cwd / d) if d.endswith(".pt") else d for d in knob("DATASETS", "mnist")]
-    for d in datasets:
-        if not d.endswith(".pt") and d not in data.DATASETS:
-            raise config.UsageError(f"DATASETS: {d} is not one of: {' '.join(data.DATASETS)}")
-    if not set(variants) - {"base"} and any(k in config.RECL_FLAGS for k in given):
-        raise config.UsageError(f"--{next(k for k in given if k in config.RECL_FLAGS).replace('_', '-')} applies "
-                                "to the +ReCL variants, and VARIANTS has none")
-    root = str(env_cwd / os.environ.get("DATA_ROOT", "data"))
-    name = "_".join(w.lstrip("-") for w in flags_of(given)).replace(" ", "_")
-    name = "_".join(filter(None, ["quick" if quick else "", "".join(c if c.isalnum() or c in ".=-" else "_"
-                                                                       for c in name)]))
-    results = env_cwd / os.environ.get("RESULTS", "results" + (f"/{name}" if name else ""))
-    config.check_writable(results)
-    lines, loadable, count = [], {}, 0
+    datasets = [str(cwd / d) if d.endswith(".pt") else d for d in knob("DATASETS", "mnist")]
+    for d in (d for d in datasets if not d.endswith(".pt") and d not in data.DATASETS):
+        raise config.UsageError(f"DATASETS: {d} is not one of: {' '.join(data.DATASETS)}")
+    for k in (k for k in given if k in config.RECL_FLAGS and set(variants) == {"base"}):
+        raise config.UsageError(f"--{k.replace('_', '-')} applies to the +ReCL variants, and VARIANTS has none")
+    name = "_".join(["quick"] * quick + [w.lstrip("-") for w in flags_of(given)])
+    out = cwd / os.environ.get("RESULTS", "results/" + "".join(c if c.isalnum() or c in ".=-" else "_" for c in name))
+    config.check_writable(out)
+    runs = [(s, m, v, seed) for s in scenarios for m in methods for v in variants if m != "joint" or v == "base"
+            for seed in range(seeds)]
+    asked = {**({"epochs": 5, "n_rec": 20} if quick else {}), **given}  # QUICK's, where no flag says
+    root, lines, loaded = str(cwd / os.environ.get("DATA_ROOT", "data")), [], []
     for dataset in datasets:
         try:
-            loadable[dataset] = data.load(dataset, root) is not None
+            loaded.append(data.load(dataset, root))
         except data.DataError as err:
             if dataset.endswith(".pt"):
                 raise config.UsageError(f"{dataset}: {err}") from None
             print(f"run_all: skipping {dataset}: {err}", file=sys.stderr)
             continue
-        for scenario, method, variant in ((s, m, v) for s in scenarios for m in methods for v in variants):
-            if method == "joint" and variant != "base":
-                continue
-            base = method == "joint" or variant == "base"
-            settings = {**({"epochs": 5} if quick else {}), **({"n_rec": 20} if quick and not base else {}),
-                        **{k: v for k, v in given.items() if not (base and k in config.RECL_FLAGS)
-                           and not (variant == "inversion" and k in config.CONTROL)
-                           and not (k == "ce_scope" and (scenario == "dil" or method == "joint"
-                                                         or (base and v == "local")))}}
+        for scenario, method, variant, seed in runs:
+            base = variant == "base"  # joint is the method alone too
+            settings = {k: v for k, v in asked.items() if not (base and k in config.RECL_FLAGS)  # what this run takes
+                        and not (variant == "inversion" and k in config.CONTROL)
+                        and not (k == "ce_scope" and (scenario == "dil" or method == "joint" or base and v == "local"))}
             words = (["--dataset", dataset, "--scenario", scenario, "--method", method]
                      + ([] if method == "joint" else ["--variant", "base" if base else "recl"])
                      + (["--rec-objective", "inversion"] if variant == "inversion" else [])
-                     + ([] if dataset == "mnist" or dataset.endswith(".pt") else ["--data-root", root]))
-            for seed in range(seeds):
-                argv_ = words + ["--seed", str(seed), "--out", str(results), "--quiet", "--skip-done"]
-                args = parser.parse_args(argv_ + flags_of(settings))
-                try:
-                    config.check(args, probe_out=False)
-                except config.UsageError as err:
-                    raise config.UsageError(f"{err} (nothing was run; refused: {method} {variant} {scenario})")
-                if not all(config.result_path(results, config.resolve(args, seed, v)).exists()
-                           for v in config.variants(args)):
-                    count += 1
-                    lines.append(shlex.join([os.environ.get("PYTHON", "python"), "recl.py", *argv_,
-                                             *flags_of(settings)]))
-    if not loadable:
+                     + ([] if dataset == "mnist" or dataset.endswith(".pt") else ["--data-root", root])
+                     + ["--seed", str(seed), "--out", str(out), "--quiet", "--skip-done", *flags_of(settings)])
+            args = parser.parse_args(words)
+            try:
+                config.check(args, probe_out=False)
+            except config.UsageError as err:
+                raise config.UsageError(f"{err} (nothing was run; refused: {method} {variant} {scenario})")
+            if not all(config.result_path(out, config.resolve(args, seed, v)).exists() for v in config.variants(args)):
+                lines.append(shlex.join([os.environ.get("PYTHON", "python"), "recl.py", *words]))
+    if not loaded:
         raise config.UsageError("no dataset asked for can be loaded (why above): nothing was run")
-    print(f"run_all: {count} run{'s' * (count != 1)} to do in {results}/ with {jobs} job(s)", file=sys.stderr)
-    return [str(results)] + lines
+    print(f"run_all: {len(lines)} run{'s' * (len(lines) != 1)} to do in {out}/ with {jobs} job(s)", file=sys.stderr)
+    return [str(out)] + lines
 
 
 if __name__ == "__main__":
