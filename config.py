@@ -42,7 +42,7 @@ class Config:
     """Every value one run uses. The fields from `m` to `trials` are the +ReCL variant's: None for
     the method alone, and those of Eq. 3-5 None for the inversion control, which does not use them."""
     # what runs
-    dataset: str = setting("mnist", "mnist (shipped), fashion-mnist, cifar10, tinyimagenet, or a .pt")
+    dataset: str = setting("mnist", "mnist (shipped), fashion-mnist, cifar10, or a .pt")
     scenario: str = setting("cil", "class-incremental (a growing head) or domain-incremental (one head)",
                             choices=["cil", "dil"])
     method: str = setting("finetune", "the continual-learning method", choices=METHODS)
@@ -54,7 +54,7 @@ class Config:
     n_per_class: int | None = setting(100, "training images per class, or 'all'", kind=per_class, above=0)
     classes_per_task: int = setting(2, "classes per task", above=0)
     validation: bool = setting(False, "score on 20%% of each task's training images, held out, not the test set")
-    data_root: str = setting("data", "where fashion-mnist, cifar10 and tinyimagenet live")
+    data_root: str = setting("data", "where fashion-mnist and cifar10 live")
     # training (Step 2)
     lr: float = setting(0.05, "SGD learning rate", above=0, high=10.0)
     epochs: int = setting(20, "epochs per task", above=0, high=10_000)
@@ -107,7 +107,6 @@ PAPER = {"rec_target": "weights", "freeze_old": False, "filter": False, "replay_
 NETWORK = {**strategies.RECL, "model": ("cnn", "alexnet")}
 ROWS = [
     ("alone", {"variant": "base"}, {k: None for k in RECL_FIELDS}),
-    ("data: tinyimagenet", {"dataset": "tinyimagenet"}, {"classes_per_task": 20}),
     ("data: dil", {"scenario": "dil", "variant": RECL}, {"ce_weight": 0.0}),  # departures.md, 5
     # the conv nets (networks.md, "Second round"; AlexNet "Fourth round"; ResNet18 "ResNet18")
     ("network: cnn and alexnet", NETWORK, {"rec_optimizer": "adam", "m": 20, "n_rec": 30, "replay_batch": 64,

@@ -1,8 +1,6 @@
-"""Data for continual learning: load images into memory as tensors, split them into tasks.
-
-The offline default is SplitMNIST from `data/mnist_5k.csv.gz`, real MNIST images shipped with the project; other
-datasets are read from their usual on-disk formats under a data root (downloaded there when online), or from a
-`.pt` file (see `load_tensor_file`)."""
+"""Data for continual learning: images as tensors in memory, split into tasks. The offline default is SplitMNIST from
+`data/mnist_5k.csv.gz`, real MNIST images shipped with the project; others come from their usual on-disk formats under
+a data root (downloaded there when online), or from a `.pt` file (`load_tensor_file`)."""
 import gzip
 import hashlib
 import pickle
@@ -93,7 +91,6 @@ def split_into_tasks(x_train, y_train, x_test, y_test, class_order, classes_per_
 
 IDX_STEMS = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")  # `apt-get install dataset-fashion-mnist`
-TINYIMAGENET_URL = "http://cs231n.stanford.edu/tiny-imagenet-200.zip"
 
 def read_idx(path):
     """An IDX file (MNIST's format), gzipped or not, as a uint8 tensor."""
@@ -194,28 +191,6 @@ def load_cifar10(root):
     return (*batches([f"data_batch_{i}" for i in range(1, 6)]), *batches(["test_batch"]))
 
 
-def load_tinyimagenet(root, n_classes=40):
-    """The tiny-imagenet-200 layout; like the paper, a fixed subset of 40 classes. Test images are
-    the labelled validation images (val/val_annotations.txt): the test labels are secret."""
-    from PIL import Image
-    from torchvision.transforms.functional import pil_to_tensor
-    folder = Path(root) / "tiny-imagenet-200"
-    if not folder.is_dir():
-        from torchvision.datasets.utils import download_and_extract_archive
-        fetch("TinyImageNet", root, lambda: download_and_extract_archive(TINYIMAGENET_URL, root))
-    wnids = sorted(p.name for p in (folder / "train").iterdir() if p.is_dir())[:n_classes]
-    read = lambda p: pil_to_tensor(Image.open(p).convert("RGB"))
-    x_train, y_train, x_test, y_test = [], [], [], []
-    for label, wnid in enumerate(wnids):
-        for p in sorted((folder / "train" / wnid / "images").iterdir()):
-            x_train.append(read(p)), y_train.append(label)
-    for line in (folder / "val" / "val_annotations.txt").read_text().splitlines():
-        file, wnid = line.split("\t")[:2]
-        if wnid in wnids:
-            x_test.append(read(folder / "val" / "images" / file)), y_test.append(wnids.index(wnid))
-    return torch.stack(x_train), torch.tensor(y_train), torch.stack(x_test), torch.tensor(y_test)
-
-
 def load_tensor_file(path):
     """A user's dataset: torch.save({"x_train", "y_train", "x_test", "y_test"}, path), x [N, C, H, W]
     or [N, D], uint8 (0-255) or float (0-1); y integer labels 0..K-1."""
@@ -263,7 +238,7 @@ def load_tensor_file(path):
     return as_images(parts[0]), parts[1].long(), as_images(parts[2]), parts[3].long()
 
 
-LOADERS = {"fashion-mnist": load_fashion_mnist, "cifar10": load_cifar10, "tinyimagenet": load_tinyimagenet}
+LOADERS = {"fashion-mnist": load_fashion_mnist, "cifar10": load_cifar10}
 DATASETS = ["mnist", *LOADERS]
 
 

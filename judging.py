@@ -1,13 +1,8 @@
-"""Judging a reconstruction: how close are the candidates to the real old images? And the search
-of Sec. 4.3, which picks a reconstruction by a score (at the end). Reporting only: training never
-sees these real images (except in the supervised search, an ablation). App. D.5 in three steps:
-  1. standardise both sets (each image minus its set's mean image, over the set's spread)
-     and match each real image to its nearest candidate by L2;
-  2. add the training mean image back and stretch each image to [0, 1];
-  3. SSIM of each pair. Haim et al. (2022) count SSIM > 0.4 as recovered.
-One change to step 2: the paper adds the mean to the *standardised* candidates, so even exact copies of the real images
-score well below 1. We first give them the real set's mean image and spread: SSIM ignores only their scale and offset.
-"""
+"""Judging a reconstruction (reporting only: training never sees these real images), and Sec. 4.3's search (at
+the end). App. D.5: (1) standardise both sets and match each real image to its nearest candidate by L2; (2) add the
+training mean image back, stretch each image to [0, 1]; (3) SSIM of each pair (Haim et al. 2022: > 0.4 is recovered).
+In (2) the paper adds the mean to the *standardised* candidates, so even exact copies score well below 1; we first
+give them the real set's mean image and spread: SSIM ignores only their scale and offset."""
 import dataclasses
 import math
 from pathlib import Path

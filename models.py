@@ -1,9 +1,6 @@
-"""Networks for ReCL.
-
-ReCL's theory (paper App. B.1) needs *homogeneous* networks: scaling the weights by c scales the output by c^L, as in
-ReLU nets without biases. As in the paper (App. D.1), only the first layer has a bias; the MLP's starts at a tiny
-scale, the CNN at He scale (chosen on validation: docs/running.md, "Other models").
-"""
+"""Networks for ReCL. Its theory (App. B.1) needs *homogeneous* networks: scaling the weights by c scales the output
+by c^L, as in ReLU nets without biases. As in the paper (App. D.1), only the first layer has a bias; the MLP's starts
+at a tiny scale, the CNN at He scale (chosen on validation: docs/running.md, "Other models")."""
 import copy
 
 import torch

@@ -218,8 +218,8 @@ def step1(model, old_tasks, cfg, last=None, log=print):
         L_full = inversion_loss(net, params, labels[~fixed])
     if cfg.ce_weight:                                                      # departure 5 (None for the control)
         L_full = plus_inversion_term(L_full, net, params, labels[~fixed], cfg.ce_weight)
-    if cfg.rec_precision == "bfloat16":                                    # faster products, where supported
-        L_full = in_bfloat16(L_full, device)
+    if cfg.rec_precision == "bfloat16":  # products in bfloat16, summed in float32: not a departure in what is computed
+        L_full = torch.autocast(device.type, dtype=torch.bfloat16)(L_full)
     free_x, free_lam = x[~fixed].requires_grad_(), lam[~fixed].requires_grad_()  # copies, written back below
     optimizer = lambda v, lr: torch.optim.SGD([v], lr=lr, momentum=0.9)   # the paper's SGD (momentum: ref. code)
     if cfg.rec_optimizer == "adam":                                        # departure 6
@@ -457,15 +457,10 @@ def inversion_loss(net, params, labels):
                            "prior": image_prior(x)}
 
 
-def in_bfloat16(L_full, device):
-    """L_full with its products in bfloat16 (summed in float32): not a departure in what is computed."""
-    return torch.autocast(device.type, dtype=torch.bfloat16)(L_full)
-
-
 # ==== 4. Records, and the command line ===============================================================================
 
-class Diverged(Exception):
-    """Training produced a non-finite loss; the run's numbers would be meaningless."""
+class Diverged(Exception):  # a non-finite training loss: the run's numbers would be meaningless
+    pass
 
 
 def reconstruction_report(losses, best, first_terms):

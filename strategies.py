@@ -1,5 +1,4 @@
 """Continual-learning strategies as small hooks that the training loop in recl.py calls:
-
     extra_loss(model, x, y, logits, state)       added to the batch's cross-entropy
     after_backward(model, state)                 may rewrite the .grad of parameters
     after_task(model, loader, state)             after training on a task, on its real data

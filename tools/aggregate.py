@@ -1,8 +1,6 @@
 """The tables of the run records in a folder, one row per config, mean (std) over seeds (the validation
 searches' first, if any); and the charts DIR/chart-DATASET.svg and DIR/matrix-DATASET-SCENARIO-METHOD.svg.
-
-    python tools/aggregate.py DIR
-"""
+Usage: python tools/aggregate.py DIR"""
 import json
 import math
 import statistics

@@ -1,8 +1,6 @@
 """What ReCL costs: the seconds and FLOPs of one reconstruction step (Eq. 3-5 and their backward) for the MLP
-(1x28x28) and the CNN (3x32x32) at m = 200 and 800; and Finetune against Finetune+ReCL end to end, seed 0.
-
-    python tools/benchmark.py [--device cuda] [--no-steps | --no-runs] [--out FILE]
-"""
+(1x28x28) and the CNN (3x32x32) at m = 200 and 800. End to end, `python recl.py --method finetune` prints each
+run's seconds, its JSON the reconstruction's ("phase_seconds"). Usage: python tools/benchmark.py [--device cuda]"""
 import sys
 from pathlib import Path
 
@@ -12,7 +10,6 @@ from torch.utils.flop_counter import flop_registry
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import config  # noqa: E402
-import judging  # noqa: E402
 import models  # noqa: E402
 import recl  # noqa: E402
 
@@ -54,33 +51,16 @@ def reconstruction_step(name, input_shape, m, device):
 def main():
     p = config.Parser(prog="benchmark.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
-    p.add_argument("--no-steps", action="store_true", help="skip the per-step timings")
-    p.add_argument("--no-runs", action="store_true", help="skip the end-to-end runs")
     p.add_argument("--out", help="JSON file (default: results/benchmark-DEVICE.json)")
     args = p.parse_args()
-    if args.no_runs and args.no_steps:
-        raise config.UsageError("--no-runs with --no-steps leaves nothing to measure")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out = Path(args.out or f"results/benchmark-{device.type}.json")
     config.check_writable(out.parent)
     result = {"machine": config.provenance(), "steps": []}
-    for name, shape in () if args.no_steps else (("mlp", (1, 28, 28)), ("cnn", (3, 32, 32))):
+    for name, shape in (("mlp", (1, 28, 28)), ("cnn", (3, 32, 32))):
         for m in (200, 800):
             result["steps"].append(r := reconstruction_step(name, shape, m, device))
             print(f"{name}, m = {m}: {r['seconds']:.3f} s per step, {r['gflop']:.2f} GFLOP, {r['gflops']:.0f} GFLOP/s")
-    runs, run_args = {}, config.make_parser().parse_args(["--device", device.type])  # recl.py's defaults
-    config.check(run_args, probe_out=False)
-    for variant in () if args.no_runs else ("base", "recl"):  # Finetune, MNIST, CIL, MLP, seed 0, as recl.py runs
-        run = config.resolve(run_args, 0, variant)
-        tasks, _, mean_image, _ = config.make_tasks(run)
-        judge = lambda old, x, y: judging.report_reconstruction("", old, x, run, mean_image, log=lambda *a: None)
-        r = recl.run_continual(run, tasks, lambda *a: None, judge)
-        runs[name := config.variant_name("finetune", variant)] = {k: r[k] for k in ("seconds", "ACC", "phase_seconds")}
-        print(f"{name}: {r['seconds']:.1f} s, ACC {r['ACC']:.2f}, "
-              f"of which reconstruction {r['phase_seconds']['reconstruct']:.1f} s")
-    if runs:
-        result["runs"] = {**runs, "ratio": runs["finetune+recl"]["seconds"] / runs["finetune"]["seconds"]}
-        print(f"Finetune+ReCL / Finetune: {result['runs']['ratio']:.1f}x")
     config.write_json_atomically(out, result)
     print(f"-> {out}")
 

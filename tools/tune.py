@@ -1,9 +1,7 @@
 """Choose a method's lr, epochs and own hyperparameters on a validation split (paper App. D.3): --draws settings
 from strategies.TRAINING_GRID and the method's grid, each scored by the validation ACC of the method alone (or
 with --variant recl, of its +ReCL variant) on seed --seed; every trial to OUT/NAME-tuning-DIGEST-Ndraws-seedS.json.
-
-    python tools/tune.py --method ewc --scenario cil [--draws 10] [recl.py's flags]
-"""
+Usage: python tools/tune.py --method ewc --scenario cil [--draws 10] [recl.py's flags]"""
 import dataclasses
 import itertools
 import sys
