@@ -1018,6 +1018,11 @@ def test_the_readmes_table_has_no_run_left_to_do(monkeypatch):
     assert planned(monkeypatch, HERE, RESULTS="docs/runs/table") == [str(HERE / "docs/runs/table")]
 
 
+def test_run_all_refuses_the_knobs_it_no_longer_has():
+    code, _, err = run_all(SWEEP="m 10 25")
+    assert code == 2 and err.startswith("run_all: SWEEP and TUNE are gone")
+
+
 def test_run_all_h_prints_its_usage():
     code, out, _ = run_all("-h")
     assert code == 0 and "Knobs:" in out and "DRY_RUN" in out
