@@ -38,13 +38,16 @@ JOBS=${JOBS:-$(( ${#devices[@]} > 1 ? ${#devices[@]} : 1 ))}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / JOBS > 0 ? $(nproc) / JOBS : 1 ))}
 export DEVICES
 start=$(date +%s) failed=0
-trap 'kill 0 2>/dev/null; echo "run_all: interrupted; finished runs are kept, rerun for more" >&2; exit 130' INT TERM
 if [ -n "$todo" ]; then
-  # xargs runs JOBS lines at a time; worker SLOT takes GPU DEVICES[SLOT mod n], if any are listed
+  # xargs runs JOBS lines at a time; worker SLOT takes GPU DEVICES[SLOT mod n], if any are listed. set -m: in a
+  # process group of their own, which a signal to run_all stops whole
+  set -m
   printf '%s\n' "$todo" | xargs -d '\n' -P "$JOBS" --process-slot-var=SLOT -I{} bash -c '
     read -r -a gpus <<< "$DEVICES"
     [ ${#gpus[@]} -eq 0 ] || export CUDA_VISIBLE_DEVICES=${gpus[$((SLOT % ${#gpus[@]}))]}
-    eval "$1" || { echo "run_all: FAILED: $1" >&2; exit 1; }' _ {} || failed=1
+    eval "$1" || { echo "run_all: FAILED: $1" >&2; exit 1; }' _ {} &
+  trap 'kill -- -$(jobs -p) 2>/dev/null; echo "run_all: interrupted; finished runs are kept" >&2; exit 130' INT TERM
+  wait $! || failed=1
 fi
 echo "run_all: finished in $(( $(date +%s) - start ))s" >&2
 "$PYTHON" tools/aggregate.py "$results" | tee "$results/table.md"

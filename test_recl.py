@@ -12,7 +12,10 @@ import math
 import os
 import pickle
 import shutil
+import signal
+import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -1055,6 +1058,31 @@ def test_devices_spreads_the_workers_over_the_gpus(tmp_path):
     run_all(PYTHON=python, DEVICES="0 1", METHODS="finetune ewc", SCENARIOS="cil", VARIANTS="base", SEEDS="2",
             RESULTS=str(tmp_path / "r"))
     assert sorted(set((tmp_path / "seen").read_text().split())) == ["0", "1"]
+
+
+def process_state(pid):
+    """A process's state letter (Z: ended, not yet reaped), or "gone"."""
+    try:
+        return open(f"/proc/{pid}/stat").read().split()[2]
+    except OSError:
+        return "gone"
+
+
+def test_an_interrupted_run_all_stops_every_run_and_says_so(tmp_path):
+    python = stand_in_python(tmp_path, f'echo $$ >> {tmp_path}/pids; sleep 60')
+    env = {**os.environ, "PYTHON": python, "METHODS": "finetune", "SCENARIOS": "cil", "VARIANTS": "base", "SEEDS": "2",
+           "JOBS": "2", "RESULTS": str(tmp_path / "r")}
+    process = subprocess.Popen(["bash", HERE / "run_all.sh"], env=env, stderr=subprocess.PIPE, text=True)
+    for _ in range(600):  # until both runs have started
+        if (tmp_path / "pids").exists() and len((tmp_path / "pids").read_text().split()) == 2:
+            break
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 130 and "interrupted" in process.stderr.read()
+    running = lambda: [p for p in (tmp_path / "pids").read_text().split() if process_state(p) not in ("gone", "Z")]
+    for _ in range(100):  # the runs end as their signal arrives
+        time.sleep(0.05 * bool(running()))
+    assert running() == []
 
 
 def test_a_failing_run_is_named_and_stops_no_other(tmp_path):
