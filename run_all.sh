@@ -34,14 +34,11 @@ fi
 cd "$here"
 read -r -a devices <<< "${DEVICES:-}"
 JOBS=${JOBS:-$(( ${#devices[@]} > 1 ? ${#devices[@]} : 1 ))}
-# share the cores between the runs; a thread count you set wins
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / JOBS > 0 ? $(nproc) / JOBS : 1 ))}
-export DEVICES
-start=$(date +%s) failed=0
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / JOBS > 0 ? $(nproc) / JOBS : 1 ))}  # yours wins
+export DEVICES; start=$(date +%s) failed=0
 if [ -n "$todo" ]; then
-  # xargs runs JOBS lines at a time; worker SLOT takes GPU DEVICES[SLOT mod n], if any are listed. set -m: in a
-  # process group of their own, which a signal to run_all stops whole
-  set -m
+  set -m  # the runs in a process group of their own, which a signal to run_all stops whole
+  # xargs runs JOBS lines at a time; worker SLOT takes GPU DEVICES[SLOT mod n], if any are listed
   printf '%s\n' "$todo" | xargs -d '\n' -P "$JOBS" --process-slot-var=SLOT -I{} bash -c '
     read -r -a gpus <<< "$DEVICES"
     [ ${#gpus[@]} -eq 0 ] || export CUDA_VISIBLE_DEVICES=${gpus[$((SLOT % ${#gpus[@]}))]}
