@@ -203,7 +203,7 @@ def step1(model, old_tasks, cfg, last=None, log=print):
     labels = candidate_labels(model.head.out_features, cfg.m, len(old_tasks), cfg.scenario).to(device)
     # The paper's smooth ReLU (Haim et al. 2022): ReLU's derivative is a step, whose own derivative
     # is zero, so Eq. 3's gradient in x needs a smooth one: sigmoid(alpha z) in the backward only.
-    net = models.with_smooth_relu(model, cfg.alpha).eval()
+    net = models.with_smooth_relu(model, cfg.alpha).eval()  # a copy, for Step 1 only
     params = {k: v.detach() for k, v in net.named_parameters()}
     x, lam = (v.to(device) for v in random_start(len(labels), old_tasks[0].x_train.shape[1:], cfg.sigma_x, cfg.seed))
     fixed = torch.zeros(len(labels), dtype=torch.bool, device=device)
@@ -278,7 +278,7 @@ def run_continual(cfg, tasks, log=print, judge=None, search=None):
             else:  # Sec. 4.3: several reconstructions, the best by a score
                 x_rec, y_rec, lam, report = search(lambda c: step1(model, tasks[:t], c, last, log), tasks[:t], cfg, log)
             log(f"    reconstruction took {time.time() - start:.1f}s")
-            last = (x_rec, y_rec, lam)  # whole, for departure 2
+            last = (x_rec, y_rec, lam)  # whole, before the filter: for departure 2
             if cfg.filter:  # departure 3: drop those the model (of the old classes) files under another class
                 keep = classified_as_labelled(model, x_rec, y_rec)
                 x_rec, y_rec = x_rec[keep], y_rec[keep]
