@@ -1,12 +1,12 @@
 """ReCL: Reconstruction for Continual Learning, from "Slowing Down Forgetting in Continual
 Learning" (Janetzky, Schlagenhauf, Feuerriegel); equation numbers are the paper's.
 
-A network trained by gradient descent drifts towards a margin-maximisation point, where
-its weights are a non-negative combination of the gradients of its margins at the
-training points: theta = sum_i lambda_i grad_theta Phi(theta; x_i), lambda_i >= 0 (App. B).
-ReCL reads this backwards: before each new task it optimises random candidates x_i and
-their lambda_i until the equation holds for the current weights (Step 1, Sec. 4.1), then
-trains on those reconstructions with the new task's data (Step 2, Sec. 4.2).
+A network trained by gradient descent drifts towards a margin-maximisation point, where its
+weights are a non-negative combination of the gradients of its margins at the training points:
+theta = sum_i lambda_i grad_theta Phi(theta; x_i), lambda_i >= 0 (App. B). ReCL reads this
+backwards: before each new task it optimises random candidates x_i and their lambda_i until the
+equation holds for the current weights (Step 1, Sec. 4.1), then trains on those reconstructions
+with the new task's data (Step 2, Sec. 4.2).
 
 Read top to bottom:
   1. The paper: Eq. 3-6, Step 1's loop (`reconstruct`), Step 2's loop (`train_task`), the
@@ -18,11 +18,13 @@ Read top to bottom:
   3. The departures, one function each, numbered as in docs/departures.md.
   4. `main`: the command line, from flags to one JSON file per run.
 
-`--paper` switches every departure off and trains at the method's own budget (lr, epochs,
-hyperparameters; with ReCL the defaults train harder, docs/departures.md); Eq. 3-6's own
-settings (m, n_rec, sigma_x, the step sizes, lambda_min, alpha) keep their values. It runs
-the paper's text plus these choices, on in every run, that its reference code (Buzaglo
-et al. 2023) makes or the text leaves open:
+`--paper` (config.py's "paper" row) switches every departure off: Eq. 3 fits theta (1), every
+class restarts from noise (2), no filter (3), no replay noise (4), no inversion term (5), SGD
+(6), cross-entropy over all classes (8), the reconstructions join the task's data (9), no
+backtracking (11); and it trains at the method's own budget (lr, epochs, hyperparameters; with
+ReCL the defaults train harder, docs/departures.md). Eq. 3-6's own settings (m, n_rec, sigma_x,
+the step sizes, lambda_min, alpha) keep their values. It runs the paper's text plus these
+choices, on in every run, that its reference code (Buzaglo et al. 2023) makes or the text leaves open:
   - Eq. 4 and 5 as squared hinges (the paper prints plain ones), weight 5 on Eq. 4, and
     Eq. 3's sum scaled by 1/n (n candidates), as the reference code;
   - SGD with momentum 0.9 for the candidates and lambdas (the paper says SGD);
@@ -277,7 +279,6 @@ def run_continual(cfg, tasks, log=print, judge=None, search=None):
                 x_rec, y_rec, lam, report = step1(model, tasks[:t], cfg, last, log)
             else:  # Sec. 4.3: several reconstructions, the best by a score
                 x_rec, y_rec, lam, report = search(lambda c: step1(model, tasks[:t], c, last, log), tasks[:t], cfg, log)
-            log(f"    reconstruction took {time.time() - start:.1f}s")
             last = (x_rec, y_rec, lam)  # whole, before the filter: for departure 2
             if cfg.filter:  # departure 3: drop those the model (of the old classes) files under another class
                 keep = classified_as_labelled(model, x_rec, y_rec)
@@ -496,8 +497,7 @@ def record_of(cfg, R, acc, bwt, diverged, reconstructions, quality, started):
 
 
 def main(argv=None):
-    """Flags -> checked -> one Config per seed and variant -> data and memory checked for all
-    -> run_continual each -> its JSON, config.result_path(...), written atomically."""
+    """Flags, checked -> a Config per seed and variant, all checked -> run_continual -> a JSON each."""
     args = config.make_parser().parse_args(argv)
     config.provenance()  # the code this process loaded, named now
     config.check(args)
