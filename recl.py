@@ -243,7 +243,7 @@ def step2(task, x_rec, y_rec, cfg, n_old_classes):
     """Step 2 for a run: the task's images with the reconstructions last, as batches and a loss.
     Returns batches(), the loss, and batches without replay noise (for batch norm's statistics)."""
     x, y, own = torch.cat([task.x_train, x_rec]), torch.cat([task.y_train, y_rec]), len(task.x_train)
-    rows = shuffled_rows(x, cfg.batch_size, cfg.seed)                # the paper: one shuffled set
+    rows = shuffled_rows(x, cfg.batch_size, cfg.seed)                      # the paper: one shuffled set
     if cfg.replay_batch and own < len(x):                                  # departure 9: replay in every batch
         rows = replay_in_every_batch(x, own, cfg.batch_size, cfg.replay_batch, cfg.seed)
     clean = lambda: ((x[r], y[r], r >= own) for r in rows())  # (images, labels, which are replayed)
