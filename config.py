@@ -81,7 +81,6 @@ class Config:
     rec_optimizer: str | None = setting("sgd", "departure 6: the candidates' optimiser", choices=["sgd", "adam"])
     replay_batch: int | None = setting(0, "departure 9: reconstructions drawn into each batch of the task's "
                                        "own images; 0: they join the task's data", low=0, high=100_000)
-    backtrack: bool | None = setting(False, "departure 11: undo a step that raised L_full, halve the step sizes")
     budget: str | None = setting("recl", "lr, epochs and hp from the method's +ReCL rows, or its own", flag=False)
     rec_precision: str | None = setting("float32", "number format of the reconstruction's products",
                                         choices=["float32", "bfloat16"])
@@ -99,7 +98,7 @@ FIELDS = [f.name for f in dataclasses.fields(Config)]
 RECL_FIELDS = FIELDS[FIELDS.index("m"):FIELDS.index("paper")]  # what the method alone does not use
 CONTROL = {"lr_lambda": None, "lambda_min": None, "rec_target": None, "ce_weight": None}  # no Eq. 3-4, no term
 PAPER = {"rec_target": "weights", "freeze_old": False, "filter": False, "replay_noise": 0.0, "ce_weight": 0.0,
-         "rec_optimizer": "sgd", "replay_batch": 0, "ce_scope": "all", "backtrack": False, "budget": "alone"}  # --paper
+         "rec_optimizer": "sgd", "replay_batch": 0, "ce_scope": "all", "budget": "alone"}  # --paper
 
 # ==== The rows: (name, when, what changes), read in this order =======================================================
 # A row applies when each field in `when` has that value (or one of a tuple) among the
@@ -113,9 +112,9 @@ ROWS = [
                                            "ce_scope": "local", "ce_weight": 0.03}),
     ("network: cnn and alexnet in dil", {**NETWORK, "scenario": "dil"},
      {"replay_noise": 1.0, "ce_scope": "all", "ce_weight": 0.0}),
-    ("network: alexnet", {**strategies.RECL, "model": "alexnet"}, {"backtrack": True, "budget": "alone"}),
+    ("network: alexnet", {**strategies.RECL, "model": "alexnet"}, {"budget": "alone"}),
     ("network: resnet18", {**strategies.RECL, "model": "resnet18"},
-     {"rec_optimizer": "adam", "m": 10, "n_rec": 15, "replay_batch": 32, "replay_noise": 1.0, "backtrack": True}),
+     {"rec_optimizer": "adam", "m": 10, "n_rec": 15, "replay_batch": 32, "replay_noise": 1.0}),
     ("paper", {"paper": True, "variant": RECL}, PAPER),  # every departure off, the method's own training budget
     "methods",  # "method: NAME", each method's rows from strategies.py, in their order
     # the candidates' step size goes with what they minimise and how, under --paper too (departures.md, 1, 6)
@@ -347,11 +346,13 @@ def make_tasks(cfg):
 
 # ==== Names, and results on disk =====================================================================================
 NOT_IN_DIGEST = ("seed", "device", "data_root", "set_by")  # where it ran does not define a run
+REMOVED = {"backtrack": False}  # fields of departures that lost, at their "off" value: older records keep their names
 
 
 def digest(cfg):
     """Eight hex digits that change with any setting of the run but its seed; a .pt counts by its contents."""
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_IN_DIGEST}
+    settings.update({k: None if cfg.variant == "base" else off for k, off in REMOVED.items()})
     if cfg.dataset.endswith(".pt") and Path(cfg.dataset).is_file():
         settings["dataset"] = f"sha256:{file_sha256(cfg.dataset)}"
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]

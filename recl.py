@@ -14,14 +14,14 @@ Read top to bottom:
   2. A run: `step1` and `step2` build those values from a `config.Config` (its values are
      in the header a run prints), and `run_continual` is the task loop. Each departure
      from the paper is one `if cfg.<field>:` line where it acts: in step1, in step2, or
-     (3, the filter) in run_continual; 11 is `reconstruct`'s `backtrack` argument.
+     (3, the filter) in run_continual.
   3. The departures, one function each, numbered as in docs/departures.md.
   4. `main`: the command line, from flags to one JSON file per run.
 
 `--paper` (config.py's "paper" row) switches every departure off: Eq. 3 fits theta (1), every
 class restarts from noise (2), no filter (3), no replay noise (4), no inversion term (5), SGD
-(6), cross-entropy over all classes (8), the reconstructions join the task's data (9), no
-backtracking (11); and it trains at the method's own budget (lr, epochs, hyperparameters; with
+(6), cross-entropy over all classes (8), the reconstructions join the task's data (9); and it
+trains at the method's own budget (lr, epochs, hyperparameters; with
 ReCL the defaults train harder, docs/departures.md). Eq. 3-6's own settings (m, n_rec, sigma_x,
 the step sizes, lambda_min, alpha) keep their values. It runs the paper's text plus these
 choices, on in every run, that its reference code (Buzaglo et al. 2023) makes or the text leaves open:
@@ -61,7 +61,8 @@ import strategies
 #
 # Like the reference code, Eq. 4 and 5 use squared hinges (smooth; the paper prints
 # plain ones); the sum is scaled by 1/n so that lambda_min means the same for any n;
-# the norm runs over every parameter.
+# the norm runs over every parameter. `scale` multiplies L_rec: 1 here; departure 1
+# divides by |theta - theta_0|^2, so that L_rec is the share left, whatever the network.
 
 def margins(model, params, x, y):
     """Phi_y(x) - max_{j != y} Phi_j(x) for a batch, with the network's weights as `params`."""
@@ -116,10 +117,10 @@ def random_start(n, input_shape, sigma_x, seed):
     return torch.randn(n, *input_shape, generator=gen) * sigma_x, torch.rand(n, generator=gen)
 
 
-def reconstruct(L_full, x, lam, optimizers, steps, log=print, backtrack=False):
+def reconstruct(L_full, x, lam, optimizers, steps, log=print):
     """Step 1 (Sec. 4.1): `steps` steps of the optimisers on L_full(x, lam) (Eq. 6), in place.
     Returns the candidates and lambdas of the lowest loss seen and a report."""
-    losses, best, undone, backtracks = [], None, False, 0
+    losses, best = [], None
     for step in range(steps + 1):  # the last pass only scores the last step
         with torch.set_grad_enabled(step < steps):
             terms = L_full(x, lam)
@@ -127,16 +128,8 @@ def reconstruct(L_full, x, lam, optimizers, steps, log=print, backtrack=False):
         losses.append(loss.item())
         if step == 0:
             first_terms = {k: v.detach() for k, v in terms.items()}
-        # departure 11: a step that raised the loss (or made it NaN) is undone: back to the best, and
-        # the pass after an undo only rescores the restored candidates
-        undo = backtrack and best is not None and not undone and not losses[-1] <= best[0]
-        if undo:
-            losses[-1], backtracks = step_back(x, lam, best, optimizers), backtracks + 1
-        undone = undo
         if step and step % max(1, steps // 4) == 0 and step < steps:  # progress at each quarter
             log(f"    step {step}/{steps}: loss {losses[-1]:.4g}")
-        if undo:
-            continue
         if not math.isfinite(losses[-1]):
             break
         if best is None or losses[-1] < best[0]:  # keep the lowest loss seen
@@ -149,7 +142,7 @@ def reconstruct(L_full, x, lam, optimizers, steps, log=print, backtrack=False):
                 opt.step()
     if best is None:  # not even the start has a finite loss: hand back the start, flagged
         best = (losses[0], x.detach(), lam.detach(), first_terms)
-    return best[1], best[2], {**reconstruction_report(losses, best, first_terms), "backtracks": backtracks}
+    return best[1], best[2], reconstruction_report(losses, best, first_terms)
 
 
 def train_task(model, batches, loss_of, optimizer, epochs, hooks, state):
@@ -227,8 +220,7 @@ def step1(model, old_tasks, cfg, last=None, log=print):
     if cfg.rec_optimizer == "adam":                                        # departure 6
         optimizer = adam
     optimizers = [optimizer(free_x, cfg.lr_x)] + ([optimizer(free_lam, cfg.lr_lambda)] if cfg.lr_lambda else [])
-    x[~fixed], lam[~fixed], report = reconstruct(L_full, free_x, free_lam, optimizers, cfg.n_rec, log,
-                                                 backtrack=bool(cfg.backtrack))  # departure 11
+    x[~fixed], lam[~fixed], report = reconstruct(L_full, free_x, free_lam, optimizers, cfg.n_rec, log)
     return x, labels, lam, {"candidates": len(x), "optimised": int((~fixed).sum()), "rec_scale": float(scale),
                             **report}
 
@@ -432,20 +424,6 @@ def replay_in_every_batch(x, own, batch_size, n, seed):
     loader = data.loader(torch.arange(own, device=x.device), torch.zeros(own), batch_size, seed=seed)
     return lambda: (torch.cat([rows, own + torch.randint(len(x) - own, (n,), generator=gen, device=x.device)])
                     for rows, _ in loader)
-
-
-# Departure 11, backtracking (`--backtrack`), in `reconstruct`.
-# Paper: every step is kept. Here: a step that raised L_full is undone, momentum and all, and
-# the step sizes halve; the pass after an undo only rescores the restored state.
-# Why: a step size that overshoots then costs steps, not the reconstruction.
-def step_back(x, lam, best, optimizers):
-    with torch.no_grad():
-        x.copy_(best[1])
-        lam.copy_(best[2])
-    for opt in optimizers:
-        opt.state.clear()
-        opt.param_groups[0]["lr"] /= 2
-    return best[0]
 
 
 # The inversion control (`--rec-objective inversion`, the +inversion variant): is it Eq. 3
