@@ -1,0 +1,186 @@
+"""Issue 48's probes, written against the project as it is (recl.py's four parts, config.Config).
+
+share: how much of theta - theta_0 can Eq. 3 explain after task 1 *with the real training images* as
+       its points and the best lambda >= 0 (non-negative least squares on the Gram matrix of their margin
+       gradients, as Step 1 sees them: eval mode, smooth ReLU backward). The least any reconstruction of
+       these points can leave. `--train-eval` trains task 1 in eval mode (dropout off, batch norm on its
+       running statistics), a diagnostic only: the shipped networks train in train mode.
+
+    PYTHONPATH=. python docs/runs/networks/issue48/probe.py share --model cnn --lr 0.01 --epochs 40 [recl.py flags]
+
+lever: one recl.py run with a lever on probation patched in, written as recl.py writes it (same digest
+       as the run without the lever, so give it its own --out). Levers (issue 48, item 3):
+       task        Eq. 3 fits the last task's change theta_t - theta_(t-1), less the share of the kept
+                   candidates with their earlier lambdas (departure 2's subtraction, as it is);
+       task-refit  the same target, the kept candidates fixed but their lambdas fitted again to it;
+       path        the target theta - theta_0 (as today), the new candidates' gradients summed at the
+                   weights in the middle of the last task and at its end.
+
+    PYTHONPATH=. python docs/runs/networks/issue48/probe.py lever task --dataset fashion-mnist --model cnn ...
+"""
+import sys
+
+import torch
+from torch.func import grad, vmap
+
+import config
+import models
+import recl
+
+sys.path.insert(0, "docs/runs/networks")
+
+
+def flat(d):
+    return torch.cat([v.reshape(-1) for v in d.values()])
+
+
+def gram_of_margin_gradients(net, params, x, y, target, chunk=8):
+    """G = J J^T and b = J v (float64) for J's rows grad_theta Phi(theta; x_i), a chunk of points at a time."""
+    def margin_of_one(p, xi, yi):
+        return recl.margins(net, p, xi[None], yi[None])[0]
+    rows = []
+    for xc, yc in zip(x.split(chunk), y.split(chunk)):
+        g = vmap(grad(margin_of_one), in_dims=(None, 0, 0))(params, xc, yc)
+        rows.append(torch.cat([g[k].reshape(len(xc), -1) for k in params], 1))
+    J = torch.cat(rows)
+    G, b = torch.zeros(len(J), len(J), dtype=torch.float64), torch.zeros(len(J), dtype=torch.float64)
+    for i in range(0, J.shape[1], 500_000):
+        Jc = J[:, i:i + 500_000].double()
+        G += Jc @ Jc.T
+        b += Jc @ target[i:i + 500_000].double()
+    return G, b
+
+
+def nnls_share(G, b, vv, iters=20000):
+    """min over lambda >= 0 of |v - J^T lambda|^2 / |v|^2 (accelerated projected gradient, convex)."""
+    step = 1.0 / torch.linalg.eigvalsh(G)[-1]
+    lam = torch.zeros_like(b)
+    z, t = lam.clone(), 1.0
+    for _ in range(iters):
+        new = (z - step * (G @ z - b)).clamp_min(0)
+        t_new = (1 + (1 + 4 * t * t) ** 0.5) / 2
+        z, lam, t = new + (t - 1) / t_new * (new - lam), new, t_new
+    return float((vv - 2 * lam @ b + lam @ G @ lam) / vv)
+
+
+def share(argv):
+    train_eval = "--train-eval" in argv
+    argv = [a for a in argv if a != "--train-eval"]
+    args = config.make_parser().parse_args(["--validation", "--device", "cpu"] + argv)
+    config.check(args, probe_out=False)
+    cfg = config.resolve(args, args.seed, "recl")
+    tasks, *_ = config.make_tasks(cfg)
+    task = tasks[0]
+    torch.manual_seed(cfg.seed)  # as run_continual: the same init and shuffles
+    model = models.build_model(cfg.model, task.x_train.shape[1:], len(task.classes))
+    batches, loss_of, clean = recl.step2(task, task.x_train[:0], task.y_train[:0], cfg, 0)
+    if train_eval:
+        model.eval()
+        model.train = lambda mode=True: model  # train_task's model.train() leaves it in eval mode
+    recl.train_task(model, batches, loss_of, torch.optim.SGD(model.parameters(), lr=cfg.lr), cfg.epochs, {}, {})
+    if train_eval:
+        del model.train  # nn.Module's own again, for the copy that reads it
+    if not train_eval:  # as run_continual (in eval mode it would reset the statistics it cannot re-estimate)
+        torch.optim.swa_utils.update_bn(((xb,) for xb, _, _ in clean()), model)
+    model.eval()
+    acc = recl.accuracy(model, task.x_test, task.y_test)
+    net = models.with_smooth_relu(model, cfg.alpha).eval()
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    start = models.start_weights(model)
+    v = flat({k: params[k] - start[k] for k in params})
+    G, b = gram_of_margin_gradients(net, params, task.x_train, task.y_train, v)
+    left = nnls_share(G, b, float(v.double() @ v.double()))
+    print(f"{cfg.model} {cfg.scenario} seed {cfg.seed}, lr {cfg.lr:g} x {cfg.epochs} epochs"
+          f"{' (trained in eval mode)' if train_eval else ''}: task-1 acc {acc:.1f}; the {len(task.x_train)} real "
+          f"training images leave {left:.1%} of |theta - theta_0|^2 unexplained (lambda >= 0)", flush=True)
+
+
+def snapshot(model):
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def lever(name, argv):
+    """Patch recl's step1 and train_task for lever `name`, then run recl.main(argv)."""
+    train_task, step1 = recl.train_task, recl.step1
+
+    def train_task_noting(model, batches, loss_of, optimizer, epochs, hooks, state):
+        model.task_start, calls = snapshot(model), [0]  # theta_(t-1), new head rows as initialised
+
+        def counting():
+            calls[0] += 1
+            if calls[0] == epochs // 2 + 1:  # half the epochs done: the middle of the task
+                model.middle = snapshot(model)
+            return batches()
+        return train_task(model, counting, loss_of, optimizer, epochs, hooks, state)
+
+    def step1_with_lever(model, old_tasks, cfg, last=None, log=print):
+        if name == "task":  # departure 1 measured from the last task's start; the rest as it is
+            keep, model.start = model.start, model.task_start
+            try:
+                return step1(model, old_tasks, cfg, last, log)
+            finally:
+                model.start = keep
+        return step1_refit_or_path(model, old_tasks, cfg, last, log, name)
+
+    recl.train_task, recl.step1 = train_task_noting, step1_with_lever
+    recl.main(argv)
+
+
+def step1_refit_or_path(model, old_tasks, cfg, last, log, name):
+    """recl.step1 with the displacement target, Adam and the inversion term, as the CNN's +ReCL row has them."""
+    device = next(model.parameters()).device
+    labels = recl.candidate_labels(model.head.out_features, cfg.m, len(old_tasks), cfg.scenario).to(device)
+    net = models.with_smooth_relu(model, cfg.alpha).eval()
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    x, lam = (v.to(device) for v in recl.random_start(len(labels), old_tasks[0].x_train.shape[1:], cfg.sigma_x,
+                                                        cfg.seed))
+    fixed = torch.zeros(len(labels), dtype=torch.bool, device=device)
+    if cfg.freeze_old and last is not None:
+        fixed = recl.keep_earlier(labels, x, lam, *last)
+    n = len(labels)
+    if name == "task-refit":
+        target = {k: params[k] - model.task_start[k] for k in params}
+        scale = 1.0 / sum(v.pow(2).sum() for v in target.values())
+        whole = recl.stationarity_loss(net, params, labels, target, cfg.lambda_min, n, scale)
+        kept_x = x.clone()
+
+        def L_rec(free_x, all_lam):  # the kept rows fixed in x, every lambda free
+            xx = kept_x.clone()
+            xx[~fixed] = free_x
+            return whole(xx, all_lam)
+        free_x, free_lam = x[~fixed].clone().requires_grad_(), lam.clone().requires_grad_()
+    else:  # path: the new candidates' gradients at the middle and the end of the last task
+        target, scale = recl.displacement_target(params, model)
+        if last is not None and cfg.freeze_old:
+            target = recl.less_share_of(net, params, target, x[fixed], labels[fixed], lam[fixed], n)
+        middle = {k: v.detach() for k, v in model.middle.items()}
+        free_labels = labels[~fixed]
+
+        def L_rec(free_x, free_lam):
+            combination = recl.weighted_gradient_sum(net, params, free_x, free_labels, free_lam, n)
+            at_middle = recl.weighted_gradient_sum(net, middle, free_x, free_labels, free_lam, n)
+            return {"rec": scale * sum((target[k] - combination[k] - at_middle[k]).pow(2).sum() for k in params),
+                    "lambda": 5 * torch.relu(cfg.lambda_min - free_lam).pow(2).sum(),
+                    "prior": recl.image_prior(free_x)}
+        free_x, free_lam = x[~fixed].clone().requires_grad_(), lam[~fixed].clone().requires_grad_()
+    L_full = L_rec
+    if cfg.ce_weight:
+        L_full = recl.plus_inversion_term(L_rec, net, params, labels[~fixed], cfg.ce_weight)
+    opt = recl.adam if cfg.rec_optimizer == "adam" else (lambda v, lr: torch.optim.SGD([v], lr=lr, momentum=0.9))
+    optimizers = [opt(free_x, cfg.lr_x), opt(free_lam, cfg.lr_lambda)]
+    best_x, best_lam, report = recl.reconstruct(L_full, free_x, free_lam, optimizers, cfg.n_rec, log,
+                                                backtrack=bool(cfg.backtrack))
+    x[~fixed] = best_x
+    if name == "task-refit":
+        lam = best_lam
+    else:
+        lam[~fixed] = best_lam
+    return x, labels, lam, {"candidates": len(x), "optimised": int((~fixed).sum()), "rec_scale": float(scale),
+                            **report}
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "share":
+        share(sys.argv[2:])
+    else:
+        lever(sys.argv[2], sys.argv[3:])
