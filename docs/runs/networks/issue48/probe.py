@@ -127,7 +127,8 @@ def lever(name, argv):
 
 
 def step1_refit_or_path(model, old_tasks, cfg, last, log, name):
-    """recl.step1 with the displacement target, Adam and the inversion term, as the CNN's +ReCL row has them."""
+    """recl.step1 for the levers `task-refit` and `path` (written at 9bf197b, when reconstruct also took
+    departure 11's `backtrack`, off in every run here)."""
     device = next(model.parameters()).device
     labels = recl.candidate_labels(model.head.out_features, cfg.m, len(old_tasks), cfg.scenario).to(device)
     net = models.with_smooth_relu(model, cfg.alpha).eval()
@@ -168,8 +169,7 @@ def step1_refit_or_path(model, old_tasks, cfg, last, log, name):
         L_full = recl.plus_inversion_term(L_rec, net, params, labels[~fixed], cfg.ce_weight)
     opt = recl.adam if cfg.rec_optimizer == "adam" else (lambda v, lr: torch.optim.SGD([v], lr=lr, momentum=0.9))
     optimizers = [opt(free_x, cfg.lr_x), opt(free_lam, cfg.lr_lambda)]
-    best_x, best_lam, report = recl.reconstruct(L_full, free_x, free_lam, optimizers, cfg.n_rec, log,
-                                                backtrack=bool(cfg.backtrack))
+    best_x, best_lam, report = recl.reconstruct(L_full, free_x, free_lam, optimizers, cfg.n_rec, log)
     x[~fixed] = best_x
     if name == "task-refit":
         lam = best_lam
