@@ -871,6 +871,12 @@ def test_reconstruction_is_float32_on_any_cpu_unless_bfloat16_is_asked_for(monke
     assert (resolved().rec_precision, resolved("--rec-precision", "bfloat16").rec_precision) == ("float32", "bfloat16")
 
 
+def test_a_removed_departure_leaves_the_names_of_records_made_without_it():
+    """Departure 11 is gone (config.REMOVED): the README's two runs keep the digests they printed with it off."""
+    readme = ("--scenario", "cil", "--method", "gpm")
+    assert [config.digest(resolved(*readme, variant=v)) for v in ("base", "recl")] == ["9f25a803", "d876c85c"]
+
+
 def test_a_flag_of_the_recl_variant_never_changes_the_method_alones_run():
     plain, given = (config.digest(resolved(*flags, variant="base")) for flags in ([], ["--m", "5", "--n-rec", "3"]))
     assert plain == given
