@@ -8,20 +8,28 @@ share: how much of theta - theta_0 can Eq. 3 explain after task 1 *with the real
 
     PYTHONPATH=. python docs/runs/networks/issue48/probe.py share --model cnn --lr 0.01 --epochs 40 [recl.py flags]
 
+share2: the same after task 2 of CIL, trained as +ReCL trains it but with an ideal replay (task 1's real training
+       images in place of reconstructions), for all real images of tasks 1-2, with Eq. 3's margin over every class
+       seen (as recl.py) and over the image's own task's classes only (the lever `scoped-margin`).
+
+    PYTHONPATH=. python docs/runs/networks/issue48/probe.py share2 --model cnn --lr 0.01 --epochs 40 [recl.py flags]
+
 lever: one recl.py run with a lever on probation patched in, written as recl.py writes it (same digest
        as the run without the lever, so give it its own --out). Levers (issue 48, item 3):
        task        Eq. 3 fits the last task's change theta_t - theta_(t-1), less the share of the kept
                    candidates with their earlier lambdas (departure 2's subtraction, as it is);
        task-refit  the same target, the kept candidates fixed but their lambdas fitted again to it;
        path        the target theta - theta_0 (as today), the new candidates' gradients summed at the
-                   weights in the middle of the last task and at its end.
+                   weights in the middle of the last task and at its end;
+       scoped-margin  (second session) Eq. 3's margin of a candidate over its own task's classes only: its
+                   logit less the best other logit of the same task, not of every class seen (CIL).
 
     PYTHONPATH=. python docs/runs/networks/issue48/probe.py lever task --dataset fashion-mnist --model cnn ...
 """
 import sys
 
 import torch
-from torch.func import grad, vmap
+from torch.func import functional_call, grad, vmap
 
 import config
 import models
@@ -95,6 +103,47 @@ def share(argv):
           f"training images leave {left:.1%} of |theta - theta_0|^2 unexplained (lambda >= 0)", flush=True)
 
 
+def scoped_margins(model, params, x, y, per_task=2):
+    """Phi over the candidate's own task's classes only (classes per task: the shipped 2)."""
+    logits = functional_call(model, params, (x,))
+    group = torch.arange(logits.shape[1], device=logits.device)[None] // per_task
+    logits = logits.masked_fill(group != (y // per_task)[:, None], float("-inf"))
+    own = logits.gather(1, y[:, None]).squeeze(1)
+    return own - logits.scatter(1, y[:, None], float("-inf")).amax(1)
+
+
+def share2(argv):
+    args = config.make_parser().parse_args(["--validation", "--device", "cpu", "--scenario", "cil"] + argv)
+    config.check(args, probe_out=False)
+    cfg = config.resolve(args, args.seed, "recl")
+    tasks, *_ = config.make_tasks(cfg)
+    torch.manual_seed(cfg.seed)  # as run_continual
+    per = len(tasks[0].classes)
+    model = models.build_model(cfg.model, tasks[0].x_train.shape[1:], per)
+    for t in (0, 1):  # task 1 alone, then task 2 with task 1's real images as the replayed rows
+        x_rec, y_rec = (tasks[0].x_train, tasks[0].y_train) if t else (tasks[0].x_train[:0], tasks[0].y_train[:0])
+        models.grow_head(model, per * (t + 1))
+        batches, loss_of, clean = recl.step2(tasks[t], x_rec, y_rec, cfg, per * t)
+        recl.train_task(model, batches, loss_of, torch.optim.SGD(model.parameters(), lr=cfg.lr), cfg.epochs, {}, {})
+        torch.optim.swa_utils.update_bn(((xb,) for xb, _, _ in clean()), model)
+        model.eval()
+    acc = [recl.accuracy(model, task.x_test, task.y_test) for task in tasks[:2]]
+    net = models.with_smooth_relu(model, cfg.alpha).eval()
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    start = models.start_weights(model)
+    v = flat({k: params[k] - start[k] for k in params})
+    x, y = torch.cat([task.x_train for task in tasks[:2]]), torch.cat([task.y_train for task in tasks[:2]])
+    plain, left = recl.margins, []
+    for name, margins in (("every class seen", plain), ("its own task's classes", scoped_margins)):
+        recl.margins = margins  # gram_of_margin_gradients reads recl.margins
+        G, b = gram_of_margin_gradients(net, params, x, y, v)
+        left.append(f"{nnls_share(G, b, float(v.double() @ v.double())):.1%} (margin over {name})")
+    recl.margins = plain
+    print(f"{cfg.model} cil seed {cfg.seed}, lr {cfg.lr:g} x {cfg.epochs} epochs, ce_scope {cfg.ce_scope}, replay noise "
+          f"{cfg.replay_noise:g}, replay batch {cfg.replay_batch}: acc after task 2 {acc[0]:.1f} {acc[1]:.1f}; the "
+          f"{len(x)} real training images leave " + ", ".join(left) + " of |theta_2 - theta_0|^2", flush=True)
+
+
 def snapshot(model):
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
@@ -122,7 +171,10 @@ def lever(name, argv):
                 model.start = keep
         return step1_refit_or_path(model, old_tasks, cfg, last, log, name)
 
-    recl.train_task, recl.step1 = train_task_noting, step1_with_lever
+    if name == "scoped-margin":
+        recl.margins = scoped_margins
+    else:
+        recl.train_task, recl.step1 = train_task_noting, step1_with_lever
     recl.main(argv)
 
 
@@ -180,7 +232,7 @@ def step1_refit_or_path(model, old_tasks, cfg, last, log, name):
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "share":
-        share(sys.argv[2:])
+    if sys.argv[1] in ("share", "share2"):
+        {"share": share, "share2": share2}[sys.argv[1]](sys.argv[2:])
     else:
         lever(sys.argv[2], sys.argv[3:])
