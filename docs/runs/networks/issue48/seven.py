@@ -4,7 +4,8 @@ and +inversion, SSIM of +ReCL and +inversion, and the share Eq. 3 leaves (mean o
 seeds). Diverged records are counted, never averaged. Records are read from the folders in order; a later
 folder's record replaces an earlier one of the same scenario, run and seed (cnn-v3-er's ER in CIL).
 
-    python docs/runs/networks/issue48/seven.py docs/runs/networks/cnn-v2 docs/runs/networks/cnn-v3-er docs/runs/networks/cnn-seven
+    python docs/runs/networks/issue48/seven.py docs/runs/networks/cnn-v2 docs/runs/networks/cnn-v3-er docs/runs/networks/cnn-seven \
+        docs/runs/networks/cnn-seven-ewc1
 """
 import glob
 import json
