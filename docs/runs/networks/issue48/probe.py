@@ -232,7 +232,9 @@ def step1_refit_or_path(model, old_tasks, cfg, last, log, name):
 
 
 if __name__ == "__main__":
-    if sys.argv[1] in ("share", "share2"):
-        {"share": share, "share2": share2}[sys.argv[1]](sys.argv[2:])
+    if sys.argv[1] == "share":
+        share(sys.argv[2:])
+    elif sys.argv[1] == "share2":
+        share2(sys.argv[2:])
     else:
         lever(sys.argv[2], sys.argv[3:])

@@ -17,8 +17,7 @@ records = {}
 for folder in sys.argv[1:]:
     for path in sorted(glob.glob(f"{folder}/*.json")):
         r = json.load(open(path))
-        if r["method"] in METHODS and (folder.endswith("cnn-v2") is False or (r["method"], r["scenario"]) != ("er", "cil")
-                                       or r["variant"] == "base"):
+        if r["method"] in METHODS:
             records[(r["scenario"], r["method"], r["variant"], r["seed"])] = r
 
 
@@ -49,7 +48,7 @@ for scenario in ("cil", "dil"):
         acc = {v: cell(list(ok[v].values())) + (f", {div[v]} diverged" if div[v] else "") for v in ok}
         print(f"| {method} | {len(seeds)} | {acc['base']} | {acc['recl']} | {acc['inversion']} | "
               f"{above('recl', 'base')} / {above('recl', 'inversion')} | {cell(ssim['recl'], 3)} / "
-              f"{cell(ssim['inversion'], 3)} | {statistics.mean(share):.0%} |" if share else "|")
+              f"{cell(ssim['inversion'], 3)} | {f'{statistics.mean(share):.0%}' if share else ''} |")
         if ok["recl"] and ok["inversion"]:
             leads.append(statistics.mean(ok["recl"].values()) - statistics.mean(ok["inversion"].values()))
         if ok["recl"] and ok["base"]:
