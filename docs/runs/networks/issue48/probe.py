@@ -8,7 +8,7 @@ share: how much of theta - theta_0 can Eq. 3 explain after task 1 *with the real
 
     PYTHONPATH=. python docs/runs/networks/issue48/probe.py share --model cnn --lr 0.01 --epochs 40 [recl.py flags]
 
-share2: the same after task 2 of CIL, trained as +ReCL trains it but with an ideal replay (task 1's real training
+share2: (`--head-local`: with the lever head-local below) the same after task 2 of CIL, trained as +ReCL trains it but with an ideal replay (task 1's real training
        images in place of reconstructions), for all real images of tasks 1-2, with Eq. 3's margin over every class
        seen (as recl.py) and over the image's own task's classes only (the lever `scoped-margin`).
 
@@ -23,12 +23,21 @@ lever: one recl.py run with a lever on probation patched in, written as recl.py 
                    weights in the middle of the last task and at its end;
        scoped-margin  (second session) Eq. 3's margin of a candidate over its own task's classes only: its
                    logit less the best other logit of the same task, not of every class seen (CIL).
+       head-local  (third session) departure 8's local cross-entropy in the head only (CIL, --ce-scope local): the
+                   body learns from the paper's cross-entropy over every class (through the head's weights,
+                   detached), the head from departure 8's two terms on detached features, so that the
+                   body's change is the one Eq. 3's margin over every class describes;
+       train-eval  (third session) every task trains in eval mode, as `share --train-eval` trains task 1:
+                   AlexNet's dropout off, ResNet18's batch norm on its running statistics (left at their
+                   start, 0 and 1, and not re-estimated after a task); a diagnostic network variant, for
+                   the method alone and +ReCL alike.
 
     PYTHONPATH=. python docs/runs/networks/issue48/probe.py lever task --dataset fashion-mnist --model cnn ...
 """
 import sys
 
 import torch
+import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
 import config
@@ -112,7 +121,27 @@ def scoped_margins(model, params, x, y, per_task=2):
     return own - logits.scatter(1, y[:, None], float("-inf")).amax(1)
 
 
+def head_local_cross_entropy(model, xb, yb, replayed, n_old_classes, scope):
+    """The lever head-local, in place of recl.scoped_cross_entropy (its scope "local" only)."""
+    seen = []
+    hook = model.head.register_forward_hook(lambda layer, inputs, out: seen.append(inputs[0]))
+    try:
+        logits = model(xb)
+    finally:
+        hook.remove()
+    if scope != "local":
+        raise ValueError("head-local replaces --ce-scope local only")
+    body = F.cross_entropy(F.linear(seen[0], model.head.weight.detach()), yb)  # the head has no bias
+    head = model.head(seen[0].detach())
+    old, own = (torch.arange(head.shape[1], device=head.device) < n_old_classes)[None], ~replayed[:, None]
+    grouped = head.masked_fill(torch.where(own, old, ~old), float("-inf"))
+    return logits, body + F.cross_entropy(grouped, yb) + F.cross_entropy(head, yb)
+
+
 def share2(argv):
+    if "--head-local" in argv:
+        argv = [a for a in argv if a != "--head-local"]
+        recl.scoped_cross_entropy = head_local_cross_entropy
     args = config.make_parser().parse_args(["--validation", "--device", "cpu", "--scenario", "cil"] + argv)
     config.check(args, probe_out=False)
     cfg = config.resolve(args, args.seed, "recl")
@@ -139,7 +168,8 @@ def share2(argv):
         G, b = gram_of_margin_gradients(net, params, x, y, v)
         left.append(f"{nnls_share(G, b, float(v.double() @ v.double())):.1%} (margin over {name})")
     recl.margins = plain
-    print(f"{cfg.model} cil seed {cfg.seed}, lr {cfg.lr:g} x {cfg.epochs} epochs, ce_scope {cfg.ce_scope}, replay noise "
+    print(f"{cfg.model} cil seed {cfg.seed}, lr {cfg.lr:g} x {cfg.epochs} epochs, ce_scope {cfg.ce_scope}"
+          f"{' (head-local)' if recl.scoped_cross_entropy is head_local_cross_entropy else ''}, replay noise "
           f"{cfg.replay_noise:g}, replay batch {cfg.replay_batch}: acc after task 2 {acc[0]:.1f} {acc[1]:.1f}; the "
           f"{len(x)} real training images leave " + ", ".join(left) + " of |theta_2 - theta_0|^2", flush=True)
 
@@ -173,6 +203,18 @@ def lever(name, argv):
 
     if name == "scoped-margin":
         recl.margins = scoped_margins
+    elif name == "head-local":
+        recl.scoped_cross_entropy = head_local_cross_entropy
+    elif name == "train-eval":
+        def train_task_in_eval_mode(model, batches, loss_of, optimizer, epochs, hooks, state):
+            model.eval()
+            model.train = lambda mode=True: model  # train_task's model.train() leaves it in eval mode
+            try:
+                return train_task(model, batches, loss_of, optimizer, epochs, hooks, state)
+            finally:
+                del model.train  # nn.Module's own again, for the copies that read it
+        recl.train_task = train_task_in_eval_mode
+        torch.optim.swa_utils.update_bn = lambda *args, **kwargs: None  # the running statistics stay at their start
     else:
         recl.train_task, recl.step1 = train_task_noting, step1_with_lever
     recl.main(argv)
