@@ -28,6 +28,8 @@ def cell(values, digits=2):
 
 
 for scenario in ("cil", "dil"):
+    if not any(sc == scenario for sc, *_ in records):  # a scenario with no records: no table
+        continue
     print(f"\n**{scenario.upper()}**\n")
     print("| method | seeds | alone | +ReCL | +inversion | +ReCL above alone / +inversion | SSIM +ReCL / +inversion | "
           "share left (+ReCL) |")

@@ -9,7 +9,7 @@
 set -u
 T0=$(date +%s) DEADLINE=${DEADLINE:-545}
 left() { echo $(( T0 + DEADLINE - $(date +%s) )); }
-mkdir -p /tmp/bin && ln -sf "$(command -v python3)" /tmp/bin/python && export PATH=/tmp/bin:$PATH
+# python: the image's venv (/opt/torch/.venv/bin comes first on PATH there; a link to it would lose the venv)
 export PYTHONPATH=. PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 R=$OUT/r; mkdir -p "$R"
 finish() { tar czf "$OUT/results.tgz" -C "$OUT" r; echo "done at $(( $(date +%s) - T0 ))s"; }
@@ -18,7 +18,7 @@ cat "$R/machine.txt"
 
 echo "== 0. smoke at $(( $(date +%s) - T0 ))s"
 S="--epochs 1 --n-rec 2 --seed 0 --quiet --data-root .gpu-data --out /tmp/smoke"
-smoke=("python recl.py --variant recl $S" "python docs/runs/networks/issue48/probe.py lever head-local --dataset fashion-mnist --scenario cil --model cnn --validation --variant recl $S"
+smoke=("python recl.py --variant recl ${S/--data-root .gpu-data /}" "python docs/runs/networks/issue48/probe.py lever head-local --dataset fashion-mnist --scenario cil --model cnn --validation --variant recl $S"
        "python docs/runs/networks/issue48/probe.py lever train-eval --dataset fashion-mnist --scenario dil --model resnet18 --validation --variant recl $S"
        "python docs/runs/networks/issue48/probe.py lever train-eval --dataset fashion-mnist --scenario dil --model alexnet --validation --variant recl $S")
 for m in finetune ewc er upgd agem lwf gpm; do
