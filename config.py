@@ -117,6 +117,9 @@ ROWS = [
      {"rec_optimizer": "adam", "m": 10, "n_rec": 15, "replay_batch": 32, "replay_noise": 1.0}),
     ("paper", {"paper": True, "variant": RECL}, PAPER),  # every departure off, the method's own training budget
     "methods",  # "method: NAME", each method's rows from strategies.py, in their order
+    # the CNN trains gently in DIL, for every method: Eq. 3 can then read it (networks.md, "Eighth round")
+    ("network: cnn's budget in dil", {**NETWORK, "model": "cnn", "scenario": "dil", "budget": "recl"},
+     {"lr": 0.01, "epochs": 40}),
     # the candidates' step size goes with what they minimise and how, under --paper too (departures.md, 1, 6)
     ("steps: inversion", {"variant": "inversion"}, {"lr_x": 0.003}),
     ("steps: inversion dil", {"variant": "inversion", "scenario": "dil"}, {"lr_x": 0.3}),

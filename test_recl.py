@@ -884,7 +884,8 @@ def test_a_flag_of_the_recl_variant_never_changes_the_method_alones_run():
 
 def test_every_default_resolves_as_the_dump_made_before_the_restructuring():
     """docs/runs/defaults-3bb579d.json: 1,088 command lines, each config or refusal. On purpose since:
-    --paper --rec-optimizer adam on ResNet18 takes ResNet18's Adam step (issue 43); departure 11 is gone (issue 48)."""
+    --paper --rec-optimizer adam on ResNet18 takes ResNet18's Adam step (issue 43); departure 11 is gone (issue 48);
+    the CNN's +ReCL variants train at lr 0.01 for 40 epochs in DIL (issue 48, third session)."""
     dump, differ = json.loads((HERE / "docs/runs/defaults-3bb579d.json").read_text()), []
     for line, before in dump.items():
         argv = line.split()
@@ -896,6 +897,8 @@ def test_every_default_resolves_as_the_dump_made_before_the_restructuring():
         before = {k: v for k, v in before.items() if k not in config.REMOVED}
         if {"--paper", "resnet18", "adam"} <= set(argv) and "refused" not in before:
             before = {**before, "lr_x": 0.001}
+        if {"cnn", "dil"} <= set(argv) and variant != "base" and "--paper" not in argv and "refused" not in before:
+            before = {**before, "lr": 0.01, "epochs": 40}
         if "refused" in before:
             before = {"refused": now.get("refused", "accepted")}  # the wording is new
         if {k: now.get(k) for k in before if k != "device"} != {k: v for k, v in before.items() if k != "device"}:
