@@ -20,7 +20,8 @@ Read top to bottom:
 
 `--paper` (config.py's "paper" row) switches every departure off: Eq. 3 fits theta (1), every
 class restarts from noise (2), no filter (3), no replay noise (4), no inversion term (5), SGD
-(6), cross-entropy over all classes (8), the reconstructions join the task's data (9); and it
+(6), cross-entropy over all classes (8), the reconstructions join the task's data (9; 7 and
+10-15 were tried and lost, and have no code); and it
 trains at the method's own budget (lr, epochs, hyperparameters; with
 ReCL the defaults train harder, docs/departures.md). Eq. 3-6's own settings (m, n_rec, sigma_x,
 the step sizes, lambda_min, alpha) keep their values. It runs the paper's text plus these
@@ -288,8 +289,8 @@ def run_continual(cfg, tasks, log=print, judge=None, search=None):
             diverged = f"{err} of task {t + 1}"
             log(f"  [{name}] task {t + 1}: diverged, {err}")
             break
-        # Batch norm (ResNet18) evaluates with running statistics that a task's few dozen steps
-        # barely move from their start: re-estimate them with the final weights, on the rows it trained on.
+        # Batch norm (ResNet18) evaluates with running statistics that a task's few dozen steps barely move
+        # from their start: re-estimate them with the final weights, on the rows it trained on (no-op without it).
         torch.optim.swa_utils.update_bn(((xb,) for xb, _, _ in clean()), model)
         model.eval()  # strategies look at the trained model (fixed batch-norm statistics, no dropout)
         if "after_task" in hooks:
