@@ -27,6 +27,9 @@ lever: one recl.py run with a lever on probation patched in, written as recl.py 
                    body learns from the paper's cross-entropy over every class (through the head's weights,
                    detached), the head from departure 8's two terms on detached features, so that the
                    body's change is the one Eq. 3's margin over every class describes;
+       gentle-first  (third session) task 1 trains at lr 0.01 for 40 epochs, the later tasks at the run's budget:
+                   the first reconstruction, of task 1's classes, is read from weights Eq. 3 can read, and
+                   departure 2 keeps it through the sequence;
        train-eval  (third session) every task trains in eval mode, as `share --train-eval` trains task 1:
                    AlexNet's dropout off, ResNet18's batch norm on its running statistics (left at their
                    start, 0 and 1, and not re-estimated after a task); a diagnostic network variant, for
@@ -205,6 +208,15 @@ def lever(name, argv):
         recl.margins = scoped_margins
     elif name == "head-local":
         recl.scoped_cross_entropy = head_local_cross_entropy
+    elif name == "gentle-first":
+        def train_task_gentle_first(model, batches, loss_of, optimizer, epochs, hooks, state):
+            if not getattr(model, "trained_a_task", False):  # the first task: lr 0.01, 40 epochs
+                model.trained_a_task = True
+                for group in optimizer.param_groups:
+                    group["lr"] = 0.01
+                epochs = 40
+            return train_task(model, batches, loss_of, optimizer, epochs, hooks, state)
+        recl.train_task = train_task_gentle_first
     elif name == "train-eval":
         def train_task_in_eval_mode(model, batches, loss_of, optimizer, epochs, hooks, state):
             model.eval()
