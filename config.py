@@ -118,7 +118,7 @@ ROWS = [
     ("paper", {"paper": True, "variant": RECL}, PAPER),  # every departure off, the method's own training budget
     "methods",  # "method: NAME", each method's rows from strategies.py, in their order
     # the CNN trains gently in DIL, for every method: Eq. 3 can then read it (networks.md, "Eighth round")
-    ("network: cnn's budget in dil", {**NETWORK, "model": "cnn", "scenario": "dil", "budget": "recl"},
+    ("network: cnn's budget in dil", {**strategies.RECL, "model": "cnn", "scenario": "dil", "budget": "recl"},
      {"lr": 0.01, "epochs": 40}),
     # the candidates' step size goes with what they minimise and how, under --paper too (departures.md, 1, 6)
     ("steps: inversion", {"variant": "inversion"}, {"lr_x": 0.003}),

@@ -20,12 +20,12 @@ Read top to bottom:
 
 `--paper` (config.py's "paper" row) switches every departure off: Eq. 3 fits theta (1), every
 class restarts from noise (2), no filter (3), no replay noise (4), no inversion term (5), SGD
-(6), cross-entropy over all classes (8), the reconstructions join the task's data (9; 7 and
-10-15 were tried and lost, and have no code); and it
-trains at the method's own budget (lr, epochs, hyperparameters; with
-ReCL the defaults train harder, docs/departures.md). Eq. 3-6's own settings (m, n_rec, sigma_x,
-the step sizes, lambda_min, alpha) keep their values. It runs the paper's text plus these
-choices, on in every run, that its reference code (Buzaglo et al. 2023) makes or the text leaves open:
+(6), cross-entropy over all classes (8), the reconstructions join the task's data (9); 7 and
+10-15 were tried and lost, and have no code. It also trains at the method's own budget (lr,
+epochs, hyperparameters; with ReCL the defaults have their own, docs/departures.md). Eq. 3-6's
+own settings (m, n_rec, sigma_x, the step sizes, lambda_min, alpha) keep their values. It runs the
+paper's text plus these choices, on in every run, that its reference code (Buzaglo et al. 2023) makes
+or the text leaves open:
   - Eq. 4 and 5 as squared hinges (the paper prints plain ones), weight 5 on Eq. 4, and
     Eq. 3's sum scaled by 1/n (n candidates), as the reference code;
   - SGD with momentum 0.9 for the candidates and lambdas (the paper says SGD);
