@@ -20,7 +20,8 @@ import models
 import strategies
 
 METHODS = list(strategies.STRATEGIES)
-RECL = strategies.RECL["variant"]  # the variants that reconstruct: +ReCL, and its pipeline with the inversion control
+RECL = strategies.RECL["variant"]  # the variants that replay: +ReCL and the arms that share its pipeline
+SOURCES = {"eq3": "recl", "inversion": "inversion", "real": "real", "centroids": "centroids"}  # --replay-source
 show = lambda value: f"{value:g}" if isinstance(value, float) else str(value)  # as help and header print a value
 
 
@@ -46,7 +47,8 @@ class Config:
     scenario: str = setting("cil", "class-incremental (a growing head) or domain-incremental (one head)",
                             choices=["cil", "dil"])
     method: str = setting("finetune", "the continual-learning method", choices=METHODS)
-    variant: str = setting("base", "base, recl or inversion", flag=False)  # the flag is --variant, below
+    variant: str = setting("base", "base (the method alone), or what it replays: recl (Eq. 3), inversion, real "
+                           "or centroids", flag=False)  # the flags are --variant and --replay-source, below
     model: str = setting("mlp", "the paper's MLP or CNN, or the non-homogeneous AlexNet or ResNet18",
                          choices=models.MODELS)
     seed: int = setting(0, "first seed: class order, init and shuffles", low=0)
@@ -81,7 +83,9 @@ class Config:
     rec_optimizer: str | None = setting("sgd", "departure 6: the candidates' optimiser", choices=["sgd", "adam"])
     replay_batch: int | None = setting(0, "departure 9: reconstructions drawn into each batch of the task's "
                                        "own images; 0: they join the task's data", low=0, high=100_000)
-    budget: str | None = setting("recl", "lr, epochs and hp from the method's +ReCL rows, or its own", flag=False)
+    budget: str | None = setting("recl", "lr, epochs and hp from the method's +ReCL rows (recl), or its own (alone); "
+                                 "--budget recl on the method alone trains it as +ReCL trains, without replay",
+                                 choices=["alone", "recl"])
     rec_precision: str | None = setting("float32", "number format of the reconstruction's products",
                                         choices=["float32", "bfloat16"])
     tuning: str | None = setting("naive", "Sec. 4.3: the run's values, or a search per task scored by the final "
@@ -97,6 +101,8 @@ class Config:
 FIELDS = [f.name for f in dataclasses.fields(Config)]
 RECL_FIELDS = FIELDS[FIELDS.index("m"):FIELDS.index("paper")]  # what the method alone does not use
 CONTROL = {"lr_lambda": None, "lambda_min": None, "rec_target": None, "ce_weight": None}  # no Eq. 3-4, no term
+# The stored arms (real images, class centroids) optimise nothing: only m, the filter and the replay are theirs.
+STORED = {k: None for k in RECL_FIELDS if k not in ("m", "filter", "replay_noise", "replay_batch", "budget")}
 PAPER = {"rec_target": "weights", "freeze_old": False, "filter": False, "replay_noise": 0.0, "ce_weight": 0.0,
          "rec_optimizer": "sgd", "replay_batch": 0, "ce_scope": "all", "budget": "alone"}  # --paper
 
@@ -127,6 +133,7 @@ ROWS = [
     ("steps: adam", {"rec_optimizer": "adam"}, {"lr_x": 0.01, "lr_lambda": 0.01}),
     ("steps: resnet18", {"variant": RECL, "model": "resnet18", "rec_optimizer": "adam"}, {"lr_x": 1e-3}),
     ("control", {"variant": "inversion"}, CONTROL),
+    ("stored", {"variant": ("real", "centroids")}, STORED),
     ("search", {"tuning": ("unsup", "sup")}, {"trials": 10}),
 ]
 
@@ -143,8 +150,10 @@ def resolve(args, seed, variant):
     the flags given over them, then each row of `rows()` that matches the values so far; a row
     never overrides a flag. The method alone takes no +ReCL value, given or not."""
     given = {k: v for k, v in vars(args).items() if v is not None and k in FIELDS and k not in ("seed", "variant")
-             and not (variant == "base" and k in RECL_FIELDS)}
+             and not (variant == "base" and k in RECL_FIELDS and k != "budget")}
     given.update(dict(args.hp))
+    if variant == "base" and given.get("budget") == "alone":
+        del given["budget"]  # the method alone trains at its own budget anyway
     if given.get("n_per_class") == "all":
         given["n_per_class"] = None  # every training image
     own = strategies.defaults(args.method)
@@ -163,11 +172,16 @@ def resolve(args, seed, variant):
         values["device"] = "cuda" if torch.cuda.is_available() else "cpu"
     if variant != "base":
         values["m"] = values["m"] or values["n_per_class"] or 100
+    if variant == "base" and values["budget"] == "recl":  # the method alone, trained exactly as its +ReCL run trains
+        recl = resolve(args, seed, "recl")
+        values.update(lr=recl.lr, epochs=recl.epochs, hp=recl.hp,
+                      ce_scope="new" if recl.ce_scope == "local" else recl.ce_scope)  # local needs replayed rows
+        values["set_by"].update({k: "budget recl" for k in ("lr", "epochs", "ce_scope", *recl.hp)})
     return Config(**values)
 
 
 def variants(args):
-    recl = "inversion" if args.rec_objective == "inversion" else "recl"
+    recl = SOURCES[args.replay_source or "eq3"]
     if args.method == "joint":
         return ["base"]
     return {None: ["base", recl], "both": ["base", recl], "base": ["base"], "recl": [recl]}[args.variant]
@@ -188,7 +202,7 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message):  # one line instead of usage + message
         if "--variant: invalid choice: 'inversion'" in message:
-            message += "; the inversion control is --variant recl --rec-objective inversion"
+            message += "; the inversion control is --variant recl --replay-source inversion"
         raise UsageError(message)
 
 
@@ -213,8 +227,11 @@ def make_parser(prog="recl.py", description=None):
         help = f"{f.metadata['help']} (default: {show(f.default)}" + "; rows: " * bool(changed) + ", ".join(changed)
         p.add_argument(f"--{f.name.replace('_', '-')}", help=help + ")", default=f.default if known else None, **kwargs)
     p.add_argument("--variant", choices=["both", "base", "recl"], help="the method alone, with ReCL, or both")
-    p.add_argument("--rec-objective", choices=["stationarity", "inversion"],
-                   help="Eq. 3-6, or plain model inversion, the control (default: stationarity)")
+    p.add_argument("--replay-source", choices=list(SOURCES),
+                   help="what the replay variant replays: candidates fitted to Eq. 3-6 (eq3, +ReCL), candidates "
+                   "fitted by model inversion (the control), m real training images per old class (real: the "
+                   "ceiling, a buffer that size) or each old class's mean image (centroids: the floor) "
+                   "(default: eq3)")
     p.add_argument("--hp", type=method_hyperparameter, action="append", default=[], metavar="KEY=VALUE",
                    help="a method's own hyperparameter, e.g. --hp ewc_lambda=1000 (default: the method's rows)")
     p.add_argument("--seeds", type=int, help="number of seeds (default: 1)")
@@ -226,7 +243,7 @@ def make_parser(prog="recl.py", description=None):
     return p
 
 
-RECL_FLAGS = [k for k in RECL_FIELDS if k != "budget"] + ["paper", "rec_objective", "save_images"]
+RECL_FLAGS = [k for k in RECL_FIELDS if k != "budget"] + ["paper", "replay_source", "save_images"]
 given = lambda args, name: getattr(args, name, None) is not None
 
 
@@ -242,9 +259,13 @@ def combinations(a):
         ((a.method == "joint" or a.variant == "base") and any(given(a, k) for k in RECL_FLAGS),
          f"--{next((k for k in RECL_FLAGS if given(a, k)), '').replace('_', '-')} applies to the +ReCL variant "
          f"only; {'joint has none' if a.method == 'joint' else '--variant base runs the method alone'}"),
-        (a.rec_objective == "inversion" and any(given(a, k) for k in CONTROL),
+        (a.replay_source == "inversion" and any(given(a, k) for k in CONTROL),
          f"--{next((k for k in CONTROL if given(a, k)), '').replace('_', '-')} is part of Eq. 3-6; the "
-         "inversion control (--rec-objective inversion) does not use it"),
+         "inversion control (--replay-source inversion) does not use it"),
+        (a.replay_source in ("real", "centroids") and any(given(a, k) for k in [*STORED, "paper"]),
+         f"--{next((k for k in [*STORED, 'paper'] if given(a, k)), '').replace('_', '-')} belongs to the "
+         f"reconstruction; --replay-source {a.replay_source} stores images and reconstructs nothing"),
+        (a.budget is not None and a.method == "joint", "--budget: joint trains on all tasks at once, at its own"),
         (a.ce_scope == "local" and a.variant != "recl",
          "--ce-scope local needs replayed rows: give it with --variant recl (--ce-scope new is the method alone's)"),
         (a.ce_scope is not None and (a.scenario == "dil" or a.method == "joint"),
@@ -369,8 +390,9 @@ def _sha256(path, mtime_ns, size):
 file_sha256 = lambda path: _sha256(Path(path).resolve(), Path(path).stat().st_mtime_ns, Path(path).stat().st_size)
 
 
-def variant_name(method, variant):
-    return method + ("" if variant == "base" else f"+{variant}")
+def variant_name(method, variant, budget=None):
+    """finetune, finetune+recl, finetune+inversion, ...; the method alone at +ReCL's budget: finetune@recl-budget."""
+    return method + ("@recl-budget" if budget == "recl" else "") if variant == "base" else f"{method}+{variant}"
 
 
 def dataset_name(dataset):
@@ -379,7 +401,7 @@ def dataset_name(dataset):
 
 def run_name(cfg):
     tuning = "" if cfg.tuning in (None, "naive") else f"-{cfg.tuning}"
-    return (f"{dataset_name(cfg.dataset)}-{cfg.scenario}-{variant_name(cfg.method, cfg.variant)}{tuning}"
+    return (f"{dataset_name(cfg.dataset)}-{cfg.scenario}-{variant_name(cfg.method, cfg.variant, cfg.budget)}{tuning}"
             + ("-validation" if cfg.validation else ""))
 
 
@@ -390,7 +412,7 @@ def result_path(out, cfg):
 
 def describe(cfg):
     """The header line of a run: what it is, every setting it resolved to, and which row or flag set it."""
-    text = (f"{variant_name(cfg.method, cfg.variant)} | {cfg.scenario} | {cfg.dataset}"
+    text = (f"{variant_name(cfg.method, cfg.variant, cfg.budget)} | {cfg.scenario} | {cfg.dataset}"
             f"{' (validation split)' if cfg.validation else ''} | {cfg.model} | seed {cfg.seed} | {cfg.device} | "
             f"{cfg.n_per_class or 'all'} per class, {cfg.classes_per_task} per task | lr {cfg.lr:g}, {cfg.epochs} "
             f"epochs, batch {cfg.batch_size}, ce_scope {cfg.ce_scope}")

@@ -106,7 +106,8 @@ def nearest_cosine(candidates, reference):
 
 
 def fake_record(method, variant, seed, acc, bwt, scenario="cil", **settings):
-    cfg = {**dataclasses.asdict(config.Config(method=method, variant=variant, scenario=scenario)), **settings}
+    cfg = {**dataclasses.asdict(config.Config(method=method, variant=variant, scenario=scenario)),
+           "budget": None if variant == "base" else "recl", **settings}  # as resolve gives the method alone
     return {"method": method, "variant": variant, "recl": variant != "base", "scenario": scenario, "dataset": "mnist",
             "seed": seed, "acc_matrix": [[acc]], "ACC": acc, "BWT": bwt, "config": cfg, "digest": "d" * 8,
             "reconstructions": [], "recon_quality": [], "failed_reconstructions": 0, "seconds": 1.0,

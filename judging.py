@@ -70,8 +70,9 @@ def judge_reconstruction(old_tasks, x_rec, cfg, mean_image):
     started from (a floor), and with held-out real images of the old classes (a ceiling: look-alikes, not copies)."""
     real = torch.cat([t.x_train for t in old_tasks])
     mean_image = mean_image.to(real.device)
-    # the noise the candidates started from: the same draw as recl.random_start
-    start = torch.randn(len(x_rec), *real.shape[1:], generator=torch.Generator().manual_seed(cfg.seed)) * cfg.sigma_x
+    # the noise the candidates started from: the same draw as recl.random_start (the stored arms start from none)
+    start = torch.randn(len(x_rec), *real.shape[1:], generator=torch.Generator().manual_seed(cfg.seed)) * (
+        cfg.sigma_x or 0.0)
     held_out = torch.cat([t.x_test for t in old_tasks])
     pick = torch.randperm(len(held_out), generator=torch.Generator().manual_seed(cfg.seed))[:len(x_rec)]
     found, nearest = reconstruction_quality(real, x_rec, mean_image)
@@ -81,7 +82,20 @@ def judge_reconstruction(old_tasks, x_rec, cfg, mean_image):
     for prefix, scores in (("", found), ("init_", floor), ("real_", ceiling)):
         quality[prefix + "mean_ssim"] = scores.mean().item()
         quality[prefix + "frac_ssim_above_0_4"] = (scores > 0.4).float().mean().item()
+    quality.update(memorisation_gap(x_rec, real, held_out, mean_image, cfg.seed))
     return quality, real, nearest, mean_image
+
+
+def memorisation_gap(x_rec, train, held_out, mean_image, seed):
+    """Each reconstruction's SSIM with its nearest among n of the old classes' training images and among n of their
+    held-out images (n the smaller set's size). Nearer its own training images than unseen ones, a reconstruction has
+    read something of those samples; level, it has read what the class shares (a prototype)."""
+    n, gen = min(len(train), len(held_out)), torch.Generator().manual_seed(seed)
+    own = train[torch.randperm(len(train), generator=gen)[:n].to(train.device)]
+    unseen = held_out[torch.randperm(len(held_out), generator=gen)[:n].to(held_out.device)]
+    to_own = reconstruction_quality(x_rec, own, mean_image)[0].mean().item()
+    to_unseen = reconstruction_quality(x_rec, unseen, mean_image)[0].mean().item()
+    return {"ssim_to_training": to_own, "ssim_to_held_out": to_unseen, "memorisation_gap": to_own - to_unseen}
 
 
 def report_reconstruction(name, old_tasks, x_rec, cfg, mean_image, image_path=None, log=print, labels=None):

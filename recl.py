@@ -260,19 +260,31 @@ def run_continual(cfg, tasks, log=print, judge=None, search=None):
     started = time.time()
     torch.manual_seed(cfg.seed)  # the same init and shuffles for every variant
     tasks = [data.Task(t.classes, *(v.to(cfg.device) for v in t[1:])) for t in tasks]
-    per_task, name = len(tasks[0].classes), config.variant_name(cfg.method, cfg.variant)
+    per_task, name = len(tasks[0].classes), config.variant_name(cfg.method, cfg.variant, cfg.budget)
     model = models.build_model(cfg.model, tasks[0].x_train.shape[1:], per_task).to(cfg.device)
     hooks, state = strategies.STRATEGIES[cfg.method]["hooks"], strategies.new_state(cfg.method, **cfg.hp)
     R, reconstructions, quality, last, diverged = [[None] * len(tasks) for _ in tasks], [], [], None, None
+    memory, stored = [], 0  # the stored arms' kept images, per old task; how many images the arm holds
     for t, task in enumerate(tasks):
         x_rec, y_rec = task.x_train[:0], task.y_train[:0]
-        if cfg.variant != "base" and t > 0:  # Step 1: reconstruct old data from the model after task t
+        if cfg.variant in ("real", "centroids") and t > 0:  # the controls that store images instead of reading them
+            x_rec, y_rec = torch.cat([x for x, _ in memory]), torch.cat([y for _, y in memory])
+            if cfg.filter:  # departure 3, as for the reconstructions
+                keep = classified_as_labelled(model, x_rec, y_rec)
+                x_rec, y_rec = x_rec[keep], y_rec[keep]
+            reconstructions.append({"task": t + 1, "candidates": sum(len(x) for x, _ in memory), "kept": len(x_rec),
+                                    "failed": None, "seconds": 0.0})
+            log(f"  [{name}] task {t + 1}: replays {len(x_rec)}/{reconstructions[-1]['candidates']} stored images "
+                f"({stored} distinct)")
+            if judge and len(x_rec):
+                quality.append(judge(tasks[:t], x_rec, y_rec))
+        elif cfg.variant != "base" and t > 0:  # Step 1: reconstruct old data from the model after task t
             start = time.time()
             if cfg.tuning in (None, "naive"):
                 x_rec, y_rec, lam, report = step1(model, tasks[:t], cfg, last, log)
             else:  # Sec. 4.3: several reconstructions, the best by a score
                 x_rec, y_rec, lam, report = search(lambda c: step1(model, tasks[:t], c, last, log), tasks[:t], cfg, log)
-            last = (x_rec, y_rec, lam)  # whole, before the filter: for departure 2
+            last, stored = (x_rec, y_rec, lam), len(x_rec)  # whole, before the filter: for departure 2
             if cfg.filter:  # departure 3: drop those the model (of the old classes) files under another class
                 keep = classified_as_labelled(model, x_rec, y_rec)
                 x_rec, y_rec = x_rec[keep], y_rec[keep]
@@ -295,11 +307,15 @@ def run_continual(cfg, tasks, log=print, judge=None, search=None):
         model.eval()  # strategies look at the trained model (fixed batch-norm statistics, no dropout)
         if "after_task" in hooks:
             hooks["after_task"](model, data.loader(task.x_train, task.y_train, cfg.batch_size, shuffle=False), state)
+        if cfg.variant in ("real", "centroids") and t < len(tasks) - 1:
+            memory.append(stored_images(task, cfg.m, cfg.variant == "centroids", cfg.seed + t))
+            stored += len(task.classes) if cfg.variant == "centroids" else len(memory[-1][0])
         R[t][:t + 1] = [accuracy(model, old.x_test, old.y_test) for old in tasks[:t + 1]]
         log(f"  [{name}] task {t + 1}/{len(tasks)} classes {task.classes}: loss {loss:.3f}, "
             f"acc {' '.join(f'{a:.1f}' for a in R[t][:t + 1])}")
     acc, bwt = acc_and_bwt(R) if diverged is None else (None, None)
-    return record_of(cfg, R, acc, bwt, diverged, reconstructions, quality, started)
+    record = record_of(cfg, R, acc, bwt, diverged, reconstructions, quality, started)
+    return {**record, "stored_images": stored if cfg.variant != "base" else 0}
 
 
 def run_jointly(cfg, tasks, log=print):
@@ -427,7 +443,7 @@ def replay_in_every_batch(x, own, batch_size, n, seed):
                     for rows, _ in loader)
 
 
-# The inversion control (`--rec-objective inversion`, the +inversion variant): is it Eq. 3
+# The inversion control (`--replay-source inversion`, the +inversion variant): is it Eq. 3
 # that makes the candidates useful, or would any optimisation that makes the model recognise
 # them as their labels do? Model inversion (Simonyan et al. 2014) asks only the second:
 # L_inv = sum_i CE(f(x_i), y_i) + L_prior, over the same candidates, labels, optimiser, steps,
@@ -435,6 +451,21 @@ def replay_in_every_batch(x, own, batch_size, n, seed):
 def inversion_loss(net, params, labels):
     return lambda x, lam: {"ce": F.cross_entropy(functional_call(net, params, (x,)), labels, reduction="sum"),
                            "prior": image_prior(x)}
+
+
+# The stored controls (`--replay-source real` or `centroids`): where is the ceiling of any replay
+# in this pipeline, and what would a memory of class statistics give? `real` keeps m of each
+# class's own training images (a buffer as large as the reconstruction), `centroids` each class's
+# mean image in the same m slots, which fresh replay noise (departure 4) spreads. Both are kept
+# once their task is learned and go through the same filter, replay and training as +ReCL.
+def stored_images(task, m, centroids, seed):
+    gen, xs, ys = torch.Generator().manual_seed(seed), [], []
+    for c in task.y_train.unique():
+        rows = task.x_train[task.y_train == c]
+        pick = torch.randperm(len(rows), generator=gen)[:m].to(rows.device)
+        xs.append(rows.mean(0, keepdim=True).expand(len(pick), *rows.shape[1:]) if centroids else rows[pick])
+        ys.append(torch.full((len(pick),), int(c), dtype=task.y_train.dtype, device=rows.device))
+    return torch.cat(xs), torch.cat(ys)
 
 
 # ==== 4. Records, and the command line ===============================================================================
@@ -492,7 +523,7 @@ def main(argv=None):
         config.check_tasks(loaded[1], cfg)
     failed = []
     for cfg in runs:
-        name, path = config.variant_name(cfg.method, cfg.variant), config.result_path(args.out, cfg)
+        name, path = config.variant_name(cfg.method, cfg.variant, cfg.budget), config.result_path(args.out, cfg)
         if args.skip_done and path.exists():
             print(f"{name} {cfg.scenario} seed {cfg.seed}: done before, skipped -> {path}", flush=True)
             continue

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# The full results table: every method alone (base), with ReCL (recl) and with the inversion
-# control (inversion), and the joint upper bound, in CIL and DIL, over 5 seeds; then one table.
+# The full results table: every method alone (base), alone at +ReCL's budget (budget), with ReCL
+# (recl), with the inversion control (inversion), with m real old images (real, the ceiling) and with
+# class centroids (centroids, the floor), and the joint upper bound, in CIL and DIL, over 5 seeds.
 #
 #   bash run_all.sh [recl.py flags]         every run, JOBS at a time, then RESULTS/table.md
 #   QUICK=1 bash run_all.sh                 1 seed, 5 epochs, 20 steps: a smoke test, its numbers mean nothing
 #   JOBS=2 METHODS="finetune gpm" bash run_all.sh --epochs 30    your flags go to every run that takes them
 #
 # Knobs: DATASETS (mnist; or fashion-mnist cifar10, or your .pt files),
-#   SCENARIOS (cil dil), METHODS (all), VARIANTS (base recl inversion), SEEDS (5), JOBS (1, or one per
+#   SCENARIOS (cil dil), METHODS (all), VARIANTS (base budget recl inversion real centroids: the method
+#   alone, alone at +ReCL's budget, +ReCL, and the inversion, real-image and centroid arms), SEEDS (5),
+#   FIRST_SEED (0: seeds FIRST_SEED .. FIRST_SEED+SEEDS-1), JOBS (1, or one per
 #   GPU in DEVICES), DEVICES ("0 1": the workers take the GPUs in turn), RESULTS (results, or
 #   results/FLAGS for other flags), DATA_ROOT (data), QUICK, DRY_RUN, PYTHON (python).
 # Every run is checked before any starts: one line and exit 2 for a bad knob or flag.

@@ -16,7 +16,7 @@ from torch.func import functional_call, grad, vmap
 
 # What tools/tune.py searches for every method on a validation split, besides the method's own grid (at the end).
 TRAINING_GRID = {"lr": [0.01, 0.05, 0.1], "epochs": [10, 20, 40]}
-RECL = {"variant": ("recl", "inversion"), "paper": False}  # a +ReCL run with its departures (not --paper)
+RECL = {"variant": ("recl", "inversion", "real", "centroids"), "paper": False}  # a replay run with its departures
 
 
 def defaults(method):

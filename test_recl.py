@@ -363,6 +363,31 @@ def test_the_task_trains_on_the_filtered_reconstructions_only(monkeypatch):
     assert (report["candidates"], report["kept"], sizes) == (8, 4, [0, 4])
 
 
+def test_the_real_arm_stores_m_distinct_training_images_of_each_class_under_its_label():
+    task = synthetic_tasks("cil", per_class=10)[1]
+    x, y = recl.stored_images(task, 4, centroids=False, seed=0)
+    own = [[i for i, row in enumerate(task.x_train) if torch.equal(row, xi) and task.y_train[i] == yi]
+           for xi, yi in zip(x, y)]
+    assert y.tolist() == [2] * 4 + [3] * 4 and all(len(o) == 1 for o in own) and len({o[0] for o in own}) == 8
+
+
+def test_the_centroid_arm_stores_each_classes_mean_image_in_its_m_slots():
+    task = synthetic_tasks("cil", per_class=10)[1]
+    x, y = recl.stored_images(task, 4, centroids=True, seed=0)
+    assert torch.allclose(x, torch.stack([task.x_train[task.y_train == c].mean(0) for c in y]))
+
+
+@pytest.mark.parametrize("source", ["real", "centroids"])
+def test_a_stored_arm_replays_m_images_of_every_old_class_before_each_task(source, monkeypatch):
+    monkeypatch.setattr(recl, "classified_as_labelled", lambda model, x, y: torch.ones(len(x), dtype=torch.bool))
+    replayed, real = [], recl.step2
+    monkeypatch.setattr(recl, "step2", lambda task, x, y, *a: replayed.append(y.tolist()) or real(task, x, y, *a))
+    record = recl.run_continual(run_config(source, "--variant", "recl", "--replay-source", source, epochs=1, m=3),
+                                synthetic_tasks("cil", per_class=6), QUIET)
+    assert replayed == [[], [0] * 3 + [1] * 3, [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3]
+    assert record["stored_images"] == (12 if source == "real" else 4)
+
+
 @pytest.mark.parametrize("scenario, outputs", [("cil", 6), ("dil", 2)])
 def test_joint_trains_one_model_on_every_task_at_once(scenario, outputs):
     record = recl.run_continual(run_config("base", scenario=scenario, method="joint", epochs=10),
@@ -566,6 +591,22 @@ def test_judge_scores_copies_one_above_the_held_out_ceiling_above_the_noise_floo
     quality = judging.judge_reconstruction(tasks, real, config.Config(), 0 * real[0])[0]
     assert quality["mean_ssim"] == pytest.approx(1.0, abs=1e-4)
     assert quality["mean_ssim"] > quality["real_mean_ssim"] > quality["init_mean_ssim"]
+
+def real_digits(n_per_class=50):  # two digits' training and held-out images, and the training mean image
+    (task, *_), _, mean_image, _ = data.make_tasks("mnist", 0, n_per_class=n_per_class)
+    return task.x_train, task.y_train, task.x_test, task.y_test, mean_image
+
+
+def test_the_memorisation_gap_of_copies_of_training_images_is_large():
+    x, _, held_out, _, mean_image = real_digits()
+    assert judging.memorisation_gap(x[::2], x, held_out, mean_image, seed=0)["memorisation_gap"] > 0.15
+
+
+def test_the_memorisation_gap_of_class_means_is_about_zero():
+    x, y, held_out, _, mean_image = real_digits()
+    means = torch.stack([x[y == c].mean(0) for c in y.unique()])
+    assert abs(judging.memorisation_gap(means, x, held_out, mean_image, seed=0)["memorisation_gap"]) < 0.03
+
 
 def test_report_saves_a_png_grid_and_the_candidates_as_x_pixels_and_labels(tmp_path):
     tasks, x, y, mean = blob_tasks(8, (1, 12, 12))[:2], 0.4 * randn(8, 1, 12, 12), torch.arange(8) % 4, randn(1, 12, 12)
@@ -888,7 +929,7 @@ def test_every_default_resolves_as_the_dump_made_before_the_restructuring():
     the CNN's +ReCL variants train at lr 0.01 for 40 epochs in DIL (issue 48, third session)."""
     dump, differ = json.loads((HERE / "docs/runs/defaults-3bb579d.json").read_text()), []
     for line, before in dump.items():
-        argv = line.split()
+        argv = line.replace("--rec-objective", "--replay-source").split()  # the flag's name since the dump
         variant = "inversion" if "inversion" in argv else "base" if "base" in argv or "joint" in argv else "recl"
         try:
             now = dataclasses.asdict(resolved(*argv, variant=variant))
@@ -909,8 +950,10 @@ def test_every_default_resolves_as_the_dump_made_before_the_restructuring():
 @pytest.mark.parametrize("argv, words", [
     (["--m", "0"], "--m must be > 0"), (["--lr", "1e9"], "above 10"), (["--lr", "nan"], "finite"),
     (["--replay-noise", "-1"], ">= 0"), (["--seeds", "2000"], "--seeds"), (["--ou", "x"], "unrecognized"),
-    (["--variant", "base", "--m", "5"], "+ReCL variant only"), (["--variant", "inversion"], "--rec-objective"),
-    (["--rec-objective", "inversion", "--lambda-min", "1"], "part of Eq. 3-6"),
+    (["--variant", "base", "--m", "5"], "+ReCL variant only"), (["--variant", "inversion"], "--replay-source"),
+    (["--replay-source", "inversion", "--lambda-min", "1"], "part of Eq. 3-6"),
+    (["--replay-source", "real", "--lr-x", "1"], "reconstructs nothing"), (["--method", "joint", "--budget", "recl"],
+                                                                          "at its own"),
     (["--ce-scope", "local"], "needs replayed rows"), (["--scenario", "dil", "--ce-scope", "new"], "class-incremental"),
     (["--trials", "3"], "needs --tuning"), (["--dataset", "foo"], "--dataset must be"),
     (["--data-root", "x"], "leave it out"), (["--n-per-class", "500"], "more than mnist allows"),
@@ -923,6 +966,15 @@ def test_bad_input_is_refused_in_one_line_before_anything_trains(argv, words, tm
     with pytest.raises((config.UsageError, data.DataError), match=words.replace("+", r"\+")):
         recl.main([w.replace("FILE", str(tmp_path / "FILE")) for w in argv]
                   + ([] if "--out" in argv else ["--out", str(tmp_path / "out")]))
+
+
+def test_the_method_alone_at_recls_budget_takes_its_recl_runs_lr_epochs_and_hyperparameters():
+    alone, with_recl = resolved("--method", "ewc", "--budget", "recl", variant="base"), resolved("--method", "ewc")
+    assert (alone.lr, alone.epochs, alone.hp, alone.m) == (with_recl.lr, with_recl.epochs, with_recl.hp, None)
+
+
+def test_the_method_alone_at_recls_budget_scores_only_the_new_classes_where_recl_uses_local_cross_entropy():
+    assert resolved("--model", "cnn", "--budget", "recl", variant="base").ce_scope == "new"
 
 
 def test_bad_input_exits_non_zero_with_one_line_and_no_traceback():
@@ -1083,9 +1135,10 @@ def test_aggregate_averages_each_config_over_its_seeds(tmp_path):
     for seed, (acc, bwt) in enumerate([(50, -40), (60, -30), (70, -20)]):
         config.write_json_atomically(tmp_path / f"ewc-{seed}.json", fake_record("ewc", "base", seed, acc, bwt))
     config.write_json_atomically(tmp_path / "recl.json", fake_record("ewc", "recl", 0, 80, -5))
-    rows = [line for line in aggregate.aggregate(tmp_path, QUIET).splitlines() if line.startswith("| ewc")]
-    assert rows == ["| ewc | 3 | 60.00 (10.00) | -30.00 (10.00) |  |  | 1.0 |  |",
-                    "| ewc+recl | 1 | 80.00 | -5.00 |  | 0.0 | 1.0 |  |"]
+    summary = aggregate.aggregate(tmp_path, QUIET).split("####")[0]  # before the arms' table
+    rows = [line for line in summary.splitlines() if line.startswith("| ewc")]
+    assert rows == ["| ewc | 3 | 60.00 (10.00) | -30.00 (10.00) | 60.00 (10.00) |  |  |  |  | 1.0 |  |",
+                    "| ewc+recl | 1 | 80.00 | -5.00 | 80.00 |  |  |  | 0.0 | 1.0 |  |"]
 
 
 def test_aggregate_skips_a_malformed_file_and_a_record_whose_bwt_is_not_a_number(tmp_path):
@@ -1141,6 +1194,18 @@ def test_the_flop_counter_counts_a_product_and_a_convolution_with_their_backward
         torch.nn.functional.conv2d(image, kernel, stride=2).sum().backward()
     # forward and two backward products, each 2 flops per multiply-add; the convolution at 2 x 4 x 4 x 4 positions
     assert (product.flops, convolution.flops) == (3 * 2 * 5 * 7 * 3, 3 * 2 * (2 * 4 * 4 * 4) * 3 * 3 * 3)
+
+
+def test_the_paired_interval_is_the_t_interval_of_the_differences_by_hand():
+    a, b = {0: 3.0, 1: 5.0, 2: 4.0, 3: 6.0, 4: 2.0}, {0: 1.0, 1: 2.0, 2: 3.0, 3: 2.0, 4: 2.0, 9: 7.0}  # seed 9: unpaired
+    # differences 2, 3, 1, 4, 0: mean 2, sample variance 10 / 4, t(0.975, df 4) = 2.776; 4 of 5 above 0
+    half = 2.776 * math.sqrt(10 / 4) / math.sqrt(5)
+    assert aggregate.paired(a, b) == pytest.approx((2.0, 2.0 - half, 2.0 + half, 4, 5))
+
+
+@pytest.mark.parametrize("a, bold", [({0: 1.0, 1: 1.1, 2: 0.9}, True), ({0: 1.0, 1: -1.0, 2: 2.0}, False)])
+def test_a_difference_is_bold_only_when_its_interval_excludes_zero(a, bold):
+    assert aggregate.difference(a, {0: 0.0, 1: 0.0, 2: 0.0}).startswith("**") == bold
 
 
 def test_the_accuracy_matrix_draws_one_line_per_task_and_variant(tmp_path):

@@ -1,5 +1,6 @@
-"""The tables of the run records in a folder, one row per config, mean (std) over seeds (the validation
-searches' first, if any); and the charts DIR/chart-DATASET.svg and DIR/matrix-DATASET-SCENARIO-METHOD.svg.
+"""The tables of the run records in a folder: one row per config, mean (std) over seeds (the validation searches'
+first, if any); per method, each arm beside the others and +ReCL's paired differences with their 95% intervals;
+and the charts DIR/chart-DATASET.svg and DIR/matrix-DATASET-SCENARIO-METHOD.svg.
 Usage: python tools/aggregate.py DIR"""
 import json
 import math
@@ -14,11 +15,15 @@ import config  # noqa: E402
 RUN_KEYS = ("method", "variant", "scenario", "dataset", "seed", "ACC", "BWT", "acc_matrix", "config", "digest",
             "recl", "seconds", "reconstructions", "failed_reconstructions", "phase_seconds")
 number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-VARIANT_ORDER = {"base": 0, "recl": 1, "inversion": 2}
+VARIANT_ORDER = {"base": 0, "recl": 2, "inversion": 3, "centroids": 4, "real": 5}  # alone at +ReCL's budget: 1
 mean_std = lambda values: (statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0)
 tuning = lambda record: record["config"].get("tuning") or "naive"
 method_rank = lambda method: config.METHODS.index(method) if method in config.METHODS else len(config.METHODS)
-run_name = lambda r: config.variant_name(r["method"], r["variant"]) + f" ({tuning(r)})" * (tuning(r) != "naive")
+run_name = lambda r: (config.variant_name(r["method"], r["variant"], r["config"].get("budget"))
+                      + f" ({tuning(r)})" * (tuning(r) != "naive"))
+variant_rank = lambda r: 1 if r["config"].get("budget") == "recl" and r["variant"] == "base" else (
+    VARIANT_ORDER.get(r["variant"], 6))
+plasticity = lambda r: statistics.mean(row[t] for t, row in enumerate(r["acc_matrix"]))  # mean R[t, t]: learning
 seeds = lambda n: f"{n} seed{'s' * (n != 1)}"
 
 
@@ -51,8 +56,8 @@ def summary_table(records):
             return ""
         mean, std = mean_std(values)
         return f"{mean:.{digits}f}" + (f" ({std:.{digits}f})" if len(values) > 1 else "")
-    rows = ["| method | seeds | ACC | BWT | SSIM | reconstruction s | seconds | flagged rec. |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| method | seeds | ACC | BWT | plasticity | stored | SSIM | memorisation gap | reconstruction s | "
+            "seconds | flagged rec. |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     groups, notes = {}, []
     for r in [r for r in records if not r.get("diverged")]:
         groups.setdefault((run_name(r), r["digest"]), []).append(r)
@@ -65,11 +70,16 @@ def summary_table(records):
                        if k not in config.NOT_IN_DIGEST and old.get(k) != new.get(k)]
             notes.append(f"\n[{key}] differs from [{first}] in: {', '.join(changed) or 'nothing recorded'}")
         ssim = [statistics.mean(q["mean_ssim"] for q in r["recon_quality"]) for r in runs if r.get("recon_quality")]
+        gap = [statistics.mean(q["memorisation_gap"] for q in r["recon_quality"]) for r in runs
+               if r.get("recon_quality") and "memorisation_gap" in r["recon_quality"][0]]
+        plastic = [plasticity(r) for r in runs if r["method"] != "joint"]
+        stored = sorted({r["stored_images"] for r in runs if "stored_images" in r})
         rec_s = [r["phase_seconds"]["reconstruct"] for r in runs if r["recl"]]
         made = sum(len(r["reconstructions"]) for r in runs)
         flagged = f"{sum(r['failed_reconstructions'] for r in runs)}/{made}" if made else ""
         rows.append(f"| {label} | {len(runs)} | {cell([r['ACC'] for r in runs])} | "
-                    f"{cell([r['BWT'] for r in runs]) or 'n/a'} | {cell(ssim, 3)} | {cell(rec_s, 1)} | "
+                    f"{cell([r['BWT'] for r in runs]) or 'n/a'} | {cell(plastic)} | {'/'.join(map(str, stored))} | "
+                    f"{cell(ssim, 3)} | {cell(gap, 3)} | {cell(rec_s, 1)} | "
                     f"{statistics.mean(r['seconds'] for r in runs):.1f} | {flagged} |")
     diverged = [f"\nDiverged, not averaged: {run_name(r)} [{r.get('digest', '?')}] seed {r['seed']} ({r['diverged']})"
                 for r in records if r.get("diverged")]
@@ -85,6 +95,61 @@ def tuning_table(searches):
         score = "all diverged" if best["val_ACC"] is None else f"{best['val_ACC']:.2f}"
         rows.append(f"| {r['dataset']} | {r['scenario']} | {r['method']} | {chosen} | {score} | {len(r['trials'])} |")
     return "\n".join(rows)
+
+
+# Two-sided 95% quantiles of Student's t by degrees of freedom (beyond 30: within 0.05 of the normal's 1.96).
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+       11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086,
+       21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048, 29: 2.045, 30: 2.042}
+
+
+def paired(a, b):
+    """a, b: {seed: value}. The differences a - b on the seeds both have: their mean, the 95% t-interval
+    (low, high) and how many are above 0, of how many; None with fewer than 2 shared seeds."""
+    diffs = [a[s] - b[s] for s in sorted(set(a) & set(b))]
+    if len(diffs) < 2:
+        return None
+    mean, sd = statistics.mean(diffs), statistics.stdev(diffs)
+    half = T95.get(len(diffs) - 1, 1.96) * sd / math.sqrt(len(diffs))
+    return mean, mean - half, mean + half, sum(d > 0 for d in diffs), len(diffs)
+
+
+def difference(a, b):
+    """'+1.23 [+0.40, +2.06] 5/5': bold when the interval excludes 0."""
+    d = paired(a, b)
+    if d is None:
+        return ""
+    text = f"{d[0]:+.2f} [{d[1]:+.2f}, {d[2]:+.2f}] {d[3]}/{d[4]}"
+    return f"**{text}**" if d[1] > 0 or d[2] < 0 else text
+
+
+ARMS = (("alone", ""), ("alone at ReCL's budget", "@recl-budget"), ("+ReCL", "+recl"), ("+inversion", "+inversion"),
+        ("+centroids", "+centroids"), ("+real", "+real"))
+
+
+def arms_tables(records):
+    """Markdown: per method, each arm's mean ACC over seeds; then +ReCL's paired differences with each other arm,
+    in ACC and BWT, with 95% t-intervals and sign counts. An arm with several configs is left out (see above)."""
+    by = {}
+    for r in (r for r in records if not r.get("diverged") and tuning(r) == "naive"):
+        by.setdefault(run_name(r), {}).setdefault(r["digest"], {})[r["seed"]] = r
+    runs = {name: next(iter(d.values())) for name, d in by.items() if len(d) == 1}  # {name: {seed: record}}
+    value = lambda name, key: {s: r[key] for s, r in runs.get(name, {}).items()}
+    methods = sorted({r["method"] for r in records if r["method"] != "joint"}, key=method_rank)
+    mean = lambda name: f"{statistics.mean(value(name, 'ACC').values()):.2f}" if name in runs else ""
+    acc = ["| method | " + " | ".join(label for label, _ in ARMS) + " | ReCL − inversion (ACC, 95% CI, seeds above) |",
+           "|---|" + "---|" * (len(ARMS) + 1)]
+    acc += [f"| {m} | " + " | ".join(mean(m + suffix) for _, suffix in ARMS)
+            + f" | {difference(value(m + '+recl', 'ACC'), value(m + '+inversion', 'ACC'))} |" for m in methods]
+    others = [(label, suffix) for label, suffix in ARMS if suffix != "+recl"]
+    diff = ["| method | metric | " + " | ".join(f"ReCL − {label.lstrip('+')}" for label, _ in others) + " |",
+            "|---|---|" + "---|" * len(others)]
+    for m in methods:
+        for key in ("ACC", "BWT"):
+            diff.append(f"| {m} | {key} | " + " | ".join(difference(value(m + "+recl", key), value(m + suffix, key))
+                                                         for _, suffix in others) + " |")
+    return "\n".join(acc) + "\n\nPaired over seeds: mean [95% t-interval] and the seeds where +ReCL is above; " \
+        "bold when the interval excludes 0.\n\n" + "\n".join(diff)
 
 
 PAPER_ACC = {  # Tables 1 and 2: (method, +ReCL) on SplitMNIST
@@ -168,12 +233,15 @@ def aggregate(folder, say=lambda message: print(message, file=sys.stderr)):
     if not records and not searches:
         raise config.UsageError(f"no finished runs (*.json) in {folder}")
     tables = [f"### Validation searches\n\n{tuning_table(searches)}\n"] if searches else []
-    records.sort(key=lambda r: (method_rank(r["method"]), VARIANT_ORDER.get(r["variant"], 3), r["seed"]))
+    records.sort(key=lambda r: (method_rank(r["method"]), variant_rank(r), r["seed"]))
     table_of = lambda r: (r["dataset"], r["scenario"], bool(r["config"].get("validation")))
     for dataset, scenario, validation in sorted({table_of(r) for r in records}):
         chosen = [r for r in records if table_of(r) == (dataset, scenario, validation)]
         tables.append(f"### {dataset}, {scenario.upper()}{' (validation split)' * validation}\n\n"
                       f"{summary_table(chosen)}\n")
+        if any(r["variant"] != "base" or r["config"].get("budget") for r in chosen):
+            tables.append(f"#### {dataset}, {scenario.upper()}{' (validation split)' * validation}: the arms\n\n"
+                          f"{arms_tables(chosen)}\n")
     # the charts draw finished runs on the test set, untuned, of methods with one config per variant
     pictured = [r for r in records if not r.get("diverged") and not r["config"].get("validation")
                 and tuning(r) == "naive"]

@@ -10,6 +10,13 @@ import config  # noqa: E402
 import data  # noqa: E402
 
 
+# run_all's variants, as recl.py's flags: the method alone, alone at +ReCL's budget, and the four replay arms
+VARIANTS = {"base": ["--variant", "base"], "budget": ["--variant", "base", "--budget", "recl"],
+            "recl": ["--variant", "recl"], "inversion": ["--variant", "recl", "--replay-source", "inversion"],
+            "real": ["--variant", "recl", "--replay-source", "real"],
+            "centroids": ["--variant", "recl", "--replay-source", "centroids"]}
+
+
 def knob(name, default, allowed=None):
     words = os.environ.get(name, default).split()
     if not words:
@@ -35,7 +42,7 @@ def flags_of(settings):
 
 
 def plan(argv, cwd):
-    own = "--out --method --variant --scenario --dataset --seed --seeds --rec-objective --data-root".split()  # per run
+    own = "--out --method --variant --scenario --dataset --seed --seeds --replay-source --budget --data-root".split()  # per run
     for word in (w.split("=")[0] for w in argv if w.split("=")[0] in own):
         raise config.UsageError(f"{word} is run_all's to set per run: use its knobs")
     parser = config.make_parser()
@@ -45,6 +52,10 @@ def plan(argv, cwd):
         raise config.UsageError(f'{name} must be 0 or 1, got "{os.environ[name]}"')
     quick, devices = os.environ.get("QUICK") == "1", os.environ.get("DEVICES", "").split()
     seeds, jobs = number("SEEDS", 1 if quick else 5, 1000), number("JOBS", max(1, len(devices)), 4 * os.cpu_count())
+    first = os.environ.get("FIRST_SEED", "0")  # seeds FIRST_SEED, ..., FIRST_SEED + SEEDS - 1
+    if not first.isdigit() or int(first) + seeds > 2 ** 31:
+        raise config.UsageError(f'FIRST_SEED must be a whole number from 0, got "{first}"')
+    first = int(first)
     if not all(d.isdigit() for d in devices) or len(devices) > jobs:
         raise config.UsageError(f'DEVICES lists GPU numbers, at most JOBS={jobs} of them, like "0 1"; got "'
                                 f'{os.environ.get("DEVICES")}"')
@@ -52,7 +63,7 @@ def plan(argv, cwd):
         raise config.UsageError("DEVICES places run_all's own workers; DRY_RUN=1 only lists runs")
     methods = knob("METHODS", " ".join(config.METHODS), config.METHODS)
     scenarios = knob("SCENARIOS", "cil dil", ["cil", "dil"])
-    variants = knob("VARIANTS", "base recl inversion", ["base", "recl", "inversion"])
+    variants = knob("VARIANTS", " ".join(VARIANTS), list(VARIANTS))
     datasets = [str(cwd / d) if d.endswith(".pt") else d for d in knob("DATASETS", "mnist")]
     for d in (d for d in datasets if not d.endswith(".pt") and d not in data.DATASETS):
         raise config.UsageError(f"DATASETS: {d} is not one of: {' '.join(data.DATASETS)}")
@@ -62,7 +73,7 @@ def plan(argv, cwd):
     out = cwd / os.environ.get("RESULTS", "results/" + "".join(c if c.isalnum() or c in ".=-" else "_" for c in name))
     config.check_writable(out)
     runs = [(s, m, v, seed) for s in scenarios for m in methods for v in variants if m != "joint" or v == "base"
-            for seed in range(seeds)]
+            for seed in range(first, first + seeds)]
     asked = {**({"epochs": 5, "n_rec": 20} if quick else {}), **given}  # QUICK's, where no flag says
     root, lines, loaded = str(cwd / os.environ.get("DATA_ROOT", "data")), [], []
     for dataset in datasets:
@@ -74,13 +85,13 @@ def plan(argv, cwd):
             print(f"run_all: skipping {dataset}: {err}", file=sys.stderr)
             continue
         for scenario, method, variant, seed in runs:
-            base = variant == "base"  # joint is the method alone too
+            base = variant in ("base", "budget")  # joint is the method alone too
             settings = {k: v for k, v in asked.items() if not (base and k in config.RECL_FLAGS)  # what this run takes
                         and not (variant == "inversion" and k in config.CONTROL)
+                        and not (variant in ("real", "centroids") and k in config.STORED)
                         and not (k == "ce_scope" and (scenario == "dil" or method == "joint" or base and v == "local"))}
             words = (["--dataset", dataset, "--scenario", scenario, "--method", method]
-                     + ([] if method == "joint" else ["--variant", "base" if base else "recl"])
-                     + (["--rec-objective", "inversion"] if variant == "inversion" else [])
+                     + ([] if method == "joint" else VARIANTS[variant])
                      + ([] if dataset == "mnist" or dataset.endswith(".pt") else ["--data-root", root])
                      + ["--seed", str(seed), "--out", str(out), "--quiet", "--skip-done", *flags_of(settings)])
             args = parser.parse_args(words)
