@@ -287,7 +287,8 @@ STRATEGIES = {
             "hyperparameters": {"gpm_threshold": (0.99, *FRACTION), "gpm_samples": (300, *POSITIVE)},  # Saha et al.
             "grid": {"gpm_threshold": [0.9, 0.95, 0.97, 0.99]},
             "rows": [(CIL, {"lr": 0.01, "epochs": 20, "gpm_threshold": 0.9}), (CIL_RECL, {"lr": 0.1}),
-                     (DIL, {"lr": 0.1, "epochs": 20, "gpm_threshold": 0.9}), (RECL, {"replay_noise": 0.0})]},
+                     (DIL, {"lr": 0.1, "epochs": 20, "gpm_threshold": 0.9}), (RECL, {"replay_noise": 0.0}),
+                     ({**CIL, "variant": "centroids"}, {"replay_noise": 2.5})]},  # docs/evidence.md, the arms' knobs
     "joint": {"hooks": {}, "hyperparameters": {},  # the upper bound: every task at once (recl.run_jointly)
               "grid": {"epochs": [20, 40, 80, 160]},  # time to fit all tasks
               "rows": [(CIL, {"lr": 0.1, "epochs": 80}), (DIL, {"lr": 0.1, "epochs": 40})]},
