@@ -1,7 +1,7 @@
 """What one run is, and the command line that asks for it. Every setting is one field of `Config`: its default
 (the MLP's +ReCL run on SplitMNIST), help and valid range, from which `make_parser` and `check` make the flags and
-checks. Named rows change defaults for a network, a method (its rows sit in strategies.py), `--paper` and the
-inversion control; `resolve` applies them, a flag given wins. A run's digest names its result file."""
+checks. `resolve` looks a run's values up: the network's (NETWORKS), the method's (strategies.TUNED), --paper's,
+the control's, then the flags given, which win. A run's digest names its result file."""
 import argparse
 import dataclasses
 import functools
@@ -20,7 +20,6 @@ import models
 import strategies
 
 METHODS = list(strategies.STRATEGIES)
-RECL = strategies.RECL["variant"]  # the variants that replay: +ReCL and the arms that share its pipeline
 SOURCES = {"eq3": "recl", "inversion": "inversion", "real": "real", "centroids": "centroids"}  # --replay-source
 show = lambda value: f"{value:g}" if isinstance(value, float) else str(value)  # as help and header print a value
 
@@ -83,7 +82,7 @@ class Config:
     rec_optimizer: str | None = setting("sgd", "departure 6: the candidates' optimiser", choices=["sgd", "adam"])
     replay_batch: int | None = setting(0, "departure 9: reconstructions drawn into each batch of the task's "
                                        "own images; 0: they join the task's data", low=0, high=100_000)
-    budget: str | None = setting("recl", "lr, epochs and hp from the method's +ReCL rows (recl), or its own (alone); "
+    budget: str | None = setting("recl", "the method's lr, epochs, hp: its +ReCL variant's (recl) or its own (alone); "
                                  "--budget recl on the method alone trains it as +ReCL trains, without replay",
                                  choices=["alone", "recl"])
     rec_precision: str | None = setting("float32", "number format of the reconstruction's products",
@@ -95,10 +94,10 @@ class Config:
     paper: bool = setting(False, "the paper as written: every departure off, the method's own training budget")
     # where
     device: str = setting("auto", "auto: CUDA when present", choices=["auto", "cpu", "cuda"])
-    set_by: dict = dataclasses.field(default_factory=dict)  # each value not a default: "flag" or its row's name
+    set_by: dict = dataclasses.field(default_factory=dict)  # each value not a default: where it came from
 
 
-FIELDS = [f.name for f in dataclasses.fields(Config)]
+FIELDS, DEFAULTS = [f.name for f in dataclasses.fields(Config)], dataclasses.asdict(Config())
 RECL_FIELDS = FIELDS[FIELDS.index("m"):FIELDS.index("paper")]  # what the method alone does not use
 CONTROL = {"lr_lambda": None, "lambda_min": None, "rec_target": None, "ce_weight": None}  # no Eq. 3-4, no term
 # The stored arms (real images, class centroids) optimise nothing: only m, the filter and the replay are theirs.
@@ -106,77 +105,76 @@ STORED = {k: None for k in RECL_FIELDS if k not in ("m", "filter", "replay_noise
 PAPER = {"rec_target": "weights", "freeze_old": False, "filter": False, "replay_noise": 0.0, "ce_weight": 0.0,
          "rec_optimizer": "sgd", "replay_batch": 0, "ce_scope": "all", "budget": "alone"}  # --paper
 
-# ==== The rows: (name, when, what changes), read in this order =======================================================
-# A row applies when each field in `when` has that value (or one of a tuple) among the
-# values so far. Every value was chosen on validation splits; docs/ has the numbers.
-NETWORK = {**strategies.RECL, "model": ("cnn", "alexnet")}
-ROWS = [
-    ("alone", {"variant": "base"}, {k: None for k in RECL_FIELDS}),
-    ("data: dil", {"scenario": "dil", "variant": RECL}, {"ce_weight": 0.0}),  # departures.md, 5
-    # the conv nets (networks.md, "Second round"; AlexNet "Fourth round"; ResNet18 "ResNet18")
-    ("network: cnn and alexnet", NETWORK, {"rec_optimizer": "adam", "m": 20, "n_rec": 30, "replay_batch": 64,
-                                           "ce_scope": "local", "ce_weight": 0.03}),
-    ("network: cnn and alexnet in dil", {**NETWORK, "scenario": "dil"},
-     {"replay_noise": 1.0, "ce_scope": "all", "ce_weight": 0.0}),
-    ("network: alexnet", {**strategies.RECL, "model": "alexnet"}, {"budget": "alone"}),
-    ("network: resnet18", {**strategies.RECL, "model": "resnet18"},
-     {"rec_optimizer": "adam", "m": 10, "n_rec": 15, "replay_batch": 32, "replay_noise": 1.0}),
-    ("paper", {"paper": True, "variant": RECL}, PAPER),  # every departure off, the method's own training budget
-    "methods",  # "method: NAME", each method's rows from strategies.py, in their order
-    # the CNN trains gently in DIL, for every method: Eq. 3 can then read it (networks.md, "Eighth round")
-    ("network: cnn's budget in dil", {**strategies.RECL, "model": "cnn", "scenario": "dil", "budget": "recl"},
-     {"lr": 0.01, "epochs": 40}),
-    # the candidates' step size goes with what they minimise and how, under --paper too (departures.md, 1, 6)
-    ("steps: inversion", {"variant": "inversion"}, {"lr_x": 0.003}),
-    ("steps: inversion dil", {"variant": "inversion", "scenario": "dil"}, {"lr_x": 0.3}),
-    ("steps: weights", {"variant": "recl", "rec_target": "weights"}, {"lr_x": 1.0}),
-    ("steps: adam", {"rec_optimizer": "adam"}, {"lr_x": 0.01, "lr_lambda": 0.01}),
-    ("steps: resnet18", {"variant": RECL, "model": "resnet18", "rec_optimizer": "adam"}, {"lr_x": 1e-3}),
-    ("control", {"variant": "inversion"}, CONTROL),
-    ("stored", {"variant": ("real", "centroids")}, STORED),
-    ("search", {"tuning": ("unsup", "sup")}, {"trials": 10}),
-]
-
-
-def rows():
-    """Every row in the order `resolve` reads them, the methods' in place of "methods"."""
-    methods = [(f"method: {name}", {**when, "method": name}, changes) for name, spec in strategies.STRATEGIES.items()
-               for when, changes in spec["rows"]]
-    return [row for entry in ROWS for row in (methods if entry == "methods" else [entry])]
+# ==== A run's values, looked up ======================================================================================
+# The replay variants' values per network and scenario, chosen on validation (networks.md: "Second round" for the
+# CNN, "ResNet18"); in DIL no inversion term (departures.md, 5). AlexNet takes the CNN's, at the method's own budget:
+# the harder one bought it nothing (networks.md, "Fourth round").
+CONV = {"rec_optimizer": "adam", "m": 20, "n_rec": 30, "replay_batch": 64}
+RESNET = {"rec_optimizer": "adam", "m": 10, "n_rec": 15, "replay_batch": 32, "replay_noise": 1.0}
+NETWORKS = {"mlp": {"cil": {}, "dil": {"ce_weight": 0.0}},
+            "cnn": {"cil": {**CONV, "ce_scope": "local", "ce_weight": 0.03},
+                    "dil": {**CONV, "replay_noise": 1.0, "ce_weight": 0.0}},
+            "resnet18": {"cil": RESNET, "dil": {**RESNET, "ce_weight": 0.0}}}
+NETWORKS["alexnet"] = {scenario: {**values, "budget": "alone"} for scenario, values in NETWORKS["cnn"].items()}
 
 
 def resolve(args, seed, variant):
-    """The Config of one run from the command line's `args` (None: not given): Config's defaults,
-    the flags given over them, then each row of `rows()` that matches the values so far; a row
-    never overrides a flag. The method alone takes no +ReCL value, given or not."""
-    given = {k: v for k, v in vars(args).items() if v is not None and k in FIELDS and k not in ("seed", "variant")
+    """The Config of one run from the command line's `args` (None: not given): Config's defaults, then the network's
+    (replay variants), the method's at the run's budget, --paper's, the control's and the flags given, each over those
+    before; then the values that depend on others, in named `if` lines that never override a flag."""
+    given = {k: v for k, v in vars(args).items() if v is not None and k in FIELDS and k not in ("seed", "variant", "hp")
              and not (variant == "base" and k in RECL_FIELDS and k != "budget")}
     given.update(dict(args.hp))
     if variant == "base" and given.get("budget") == "alone":
         del given["budget"]  # the method alone trains at its own budget anyway
     if given.get("n_per_class") == "all":
         given["n_per_class"] = None  # every training image
-    own = strategies.defaults(args.method)
-    values = {**dataclasses.asdict(Config()), **own, "seed": seed, "variant": variant, **given}
-    set_by = {k: "flag" for k in given if k in FIELDS or k in own}
-    for name, when, changes in rows():
-        if all(values.get(k) in (v if isinstance(v, tuple) else (v,)) for k, v in when.items()):
-            values.update({k: v for k, v in changes.items() if k not in given})
-            set_by.update({k: name for k in changes if k not in given})
-    values["hp"] = {k: values.pop(k) for k in own}
-    values["set_by"] = {k: v for k, v in set_by.items() if values.get(k, values["hp"].get(k)) is not None
-                        and k not in ("dataset", "scenario", "method", "model", "device", "n_per_class",
-                                      "batch_size", "validation", "hp", "paper")}
-    values["paper"] = bool(values["paper"]) and variant != "base"  # the method alone is the same run either way
+    method, scenario, model, replay = args.method, args.scenario, args.model, variant != "base"
+    paper = replay and bool(given.get("paper"))
+    tuned = replay and not paper  # a replay variant with the values tuned here, not the paper's
+    network = NETWORKS[model][scenario] if tuned else {}
+    # a flag's budget, else the method's own for the method alone and under --paper, else the network's or +ReCL's
+    budget = given.get("budget", network.get("budget", "recl") if tuned else "alone")
+    own, arms = strategies.TUNED[scenario].get(method, {}), strategies.ARMS  # a method not tuned yet: Config's
+    arm = {**arms.get((scenario, method), {}), **arms.get((scenario, method, variant), {})} if tuned else {}
+    sources = {"default": {**DEFAULTS, **strategies.defaults(method), "seed": seed, "variant": variant},
+               "network": network,
+               "method": {**own.get("alone", {}), **own.get(budget, {}), **arm},
+               "paper": PAPER if paper else {},
+               "control": {"inversion": CONTROL, "real": STORED, "centroids": STORED}.get(variant, {}),
+               "flag": given}
+    values = {k: v for changes in sources.values() for k, v in changes.items()}
+    set_by = {k: source for source, changes in sources.items() if source != "default" for k in changes
+              if k not in ("dataset", "scenario", "method", "model")}  # what runs, always known
+
+    def retune(source, **changes):  # never a flag's value, nor one the run does not use
+        for k in (k for k in changes if k not in given and values[k] is not None):
+            values[k], set_by[k] = changes[k], source
+    if not replay:  # the method alone takes no +ReCL value (its --budget recl is at the end)
+        values.update({k: None for k in RECL_FIELDS if k not in given})
+    # the candidates' step size follows what they fit and how, under --paper too (departures.md, 1, 6; attribution.md)
+    if variant == "inversion":
+        retune("steps", lr_x=0.3 if scenario == "dil" else 0.003)
+    if variant == "recl" and values["rec_target"] == "weights":
+        retune("steps", lr_x=1.0)
+    if values["rec_optimizer"] == "adam":
+        retune("steps", lr_x=1e-3 if model == "resnet18" else 0.01, lr_lambda=0.01)
+    # the CNN trains gently in DIL, for every method: Eq. 3 can then read it (networks.md, "Eighth round")
+    if model == "cnn" and scenario == "dil" and tuned and budget == "recl":
+        retune("network", lr=0.01, epochs=40)
+    if values["tuning"] in ("unsup", "sup") and values["trials"] is None:
+        values["trials"] = 10  # the search's default
+    if replay:
+        values["m"] = values["m"] or values["n_per_class"] or 100
+    values["hp"] = {k: values.pop(k) for k in strategies.defaults(method)}
+    values["set_by"], values["paper"] = set_by, paper  # the method alone is the same run with --paper or without
     if values["device"] == "auto":
         values["device"] = "cuda" if torch.cuda.is_available() else "cpu"
-    if variant != "base":
-        values["m"] = values["m"] or values["n_per_class"] or 100
     if variant == "base" and values["budget"] == "recl":  # the method alone, trained exactly as its +ReCL run trains
         recl = resolve(args, seed, "recl")
         values.update(lr=recl.lr, epochs=recl.epochs, hp=recl.hp,
                       ce_scope="new" if recl.ce_scope == "local" else recl.ce_scope)  # local needs replayed rows
-        values["set_by"].update({k: "budget recl" for k in ("lr", "epochs", "ce_scope", *recl.hp)})
+        values["set_by"].update({k: "budget" for k in ("lr", "epochs", "ce_scope", *recl.hp)})
     return Config(**values)
 
 
@@ -217,15 +215,16 @@ def method_hyperparameter(text):
 def make_parser(prog="recl.py", description=None):
     """One flag per Config field, each defaulting to None ("not given"), and the few that are not settings."""
     p = Parser(prog=prog, description=description or "Train a continual-learning method with and without ReCL on "
-               "a stream of tasks; one JSON file per run. Defaults: config.Config.")
+               "a stream of tasks; one JSON file per run. Defaults: config.Config, the MLP's; a flag given wins.")
+    tabled = {"lr", "epochs", "lr_x", "lr_lambda", *(k for n in NETWORKS.values() for v in n.values() for k in v)}
     for f in (f for f in dataclasses.fields(Config) if f.metadata.get("flag")):
         kind = f.metadata["kind"] or type(f.default)
         kwargs = ({"action": "store_true" if f.name in ("validation", "paper") else argparse.BooleanOptionalAction}
                   if kind is bool else {"type": kind, "choices": f.metadata["choices"]})
         known = f.name in ("scenario", "method", "model", "dataset", "seed")  # what runs is always known
-        changed = [f"{row} {show(changes[f.name])}" for row, _, changes in rows() if changes.get(f.name) is not None]
-        help = f"{f.metadata['help']} (default: {show(f.default)}" + "; rows: " * bool(changed) + ", ".join(changed)
-        p.add_argument(f"--{f.name.replace('_', '-')}", help=help + ")", default=f.default if known else None, **kwargs)
+        own = "; networks and methods have their own: config.NETWORKS, strategies.TUNED" * (f.name in tabled)
+        help = f"{f.metadata['help']} (default: {show(f.default)}{own})"
+        p.add_argument(f"--{f.name.replace('_', '-')}", help=help, default=f.default if known else None, **kwargs)
     p.add_argument("--variant", choices=["both", "base", "recl"], help="the method alone, with ReCL, or both")
     p.add_argument("--replay-source", choices=list(SOURCES),
                    help="what the replay variant replays: candidates fitted to Eq. 3-6 (eq3, +ReCL), candidates "
@@ -233,7 +232,7 @@ def make_parser(prog="recl.py", description=None):
                    "ceiling, a buffer that size) or each old class's mean image (centroids: the floor) "
                    "(default: eq3)")
     p.add_argument("--hp", type=method_hyperparameter, action="append", default=[], metavar="KEY=VALUE",
-                   help="a method's own hyperparameter, e.g. --hp ewc_lambda=1000 (default: the method's rows)")
+                   help="a method's own hyperparameter, e.g. --hp ewc_lambda=1000 (default: strategies.TUNED's)")
     p.add_argument("--seeds", type=int, help="number of seeds (default: 1)")
     p.add_argument("--save-images", action="store_true", default=None,
                    help="per task, a PNG of real images over their nearest reconstructions, and a .pt of them")
@@ -411,20 +410,16 @@ def result_path(out, cfg):
 
 
 def describe(cfg):
-    """The header line of a run: what it is, every setting it resolved to, and which row or flag set it."""
+    """The header line of a run: what it is, each setting it resolved to under the one word that says where it came
+    from (`resolve`), and the digest that names its file."""
     text = (f"{variant_name(cfg.method, cfg.variant, cfg.budget)} | {cfg.scenario} | {cfg.dataset}"
             f"{' (validation split)' if cfg.validation else ''} | {cfg.model} | seed {cfg.seed} | {cfg.device} | "
-            f"{cfg.n_per_class or 'all'} per class, {cfg.classes_per_task} per task | lr {cfg.lr:g}, {cfg.epochs} "
-            f"epochs, batch {cfg.batch_size}, ce_scope {cfg.ce_scope}")
-    text += "".join(f", {k} {v:g}" for k, v in cfg.hp.items())
-    if cfg.variant != "base":
-        except_ = [k for k, v in PAPER.items() if getattr(cfg, k) != v]  # a flag given wins over --paper's row
-        paper = f"the paper as written{', except ' * bool(except_)}{', '.join(except_)}: " if cfg.paper else ""
-        values = (f"{k} {show(getattr(cfg, k))}" for k in RECL_FIELDS if getattr(cfg, k) is not None)
-        text += " | " + paper + ", ".join(values)
-    sources = dict.fromkeys(cfg.set_by.values())  # each row or "flag", in the order it first set a value
-    by = "; ".join(f"{s}: {', '.join(k for k in cfg.set_by if cfg.set_by[k] == s)}" for s in sources)
-    return text + f" | set by {by}; the rest Config's defaults, set for the MLP | config {digest(cfg)}"
+            f"{cfg.n_per_class or 'all'} per class, {cfg.classes_per_task} per task")
+    settings = {"lr": cfg.lr, "epochs": cfg.epochs, "batch_size": cfg.batch_size, "ce_scope": cfg.ce_scope, **cfg.hp,
+                **{k: getattr(cfg, k) for k in RECL_FIELDS if getattr(cfg, k) is not None}}
+    by = {s: [f"{k} {show(v)}" for k, v in settings.items() if cfg.set_by.get(k, "default") == s]
+          for s in ("default", "network", "method", "paper", "control", "steps", "budget", "flag")}
+    return text + "".join(f" | {s}: {', '.join(kv)}" for s, kv in by.items() if kv) + f" | config {digest(cfg)}"
 
 
 @functools.cache  # once per process: the code it loaded, whatever is committed while it runs

@@ -18,7 +18,7 @@ Read top to bottom:
   3. The departures, one function each, numbered as in docs/departures.md.
   4. `main`: the command line, from flags to one JSON file per run.
 
-`--paper` (config.py's "paper" row) switches every departure off: Eq. 3 fits theta (1), every
+`--paper` (`config.PAPER`) switches every departure off: Eq. 3 fits theta (1), every
 class restarts from noise (2), no filter (3), no replay noise (4), no inversion term (5), SGD
 (6), cross-entropy over all classes (8), the reconstructions join the task's data (9); 7 and
 10-15 were tried and lost, and have no code. It also trains at the method's own budget (lr,

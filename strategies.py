@@ -16,7 +16,6 @@ from torch.func import functional_call, grad, vmap
 
 # What tools/tune.py searches for every method on a validation split, besides the method's own grid (at the end).
 TRAINING_GRID = {"lr": [0.01, 0.05, 0.1], "epochs": [10, 20, 40]}
-RECL = {"variant": ("recl", "inversion", "real", "centroids"), "paper": False}  # a replay run with its departures
 
 
 def defaults(method):
@@ -235,61 +234,64 @@ def upgd_after_backward(model, state):
 
 
 # Each method: its hooks; its hyperparameters as (literature default, valid range, its test); its grid for
-# `tools/tune.py`; its rows, chosen on validation (docs/hyperparameters.md), in config.resolve's form (when,
-# what changes). +ReCL trains harder ("budget": "recl"): ReCL reads back only what the network has fitted
-# (docs/departures.md, "training budget"). GPM replays without noise: its projection lets a layer learn only outside
-# the old tasks' input space, where noise trains directions real images never use. ER keeps CE over all classes: its
-# real-image memory already teaches old against new (docs/networks.md, "Third round").
+# `tools/tune.py`. Its tuned values are in TUNED, below.
 AT_LEAST_0 = (">= 0", lambda v: v >= 0)
 POSITIVE = ("> 0", lambda v: v > 0)
 FRACTION = ("in (0, 1]", lambda v: 0 < v <= 1)
-CIL, DIL = {"scenario": "cil"}, {"scenario": "dil"}
-CIL_RECL, DIL_RECL = {**CIL, "budget": "recl"}, {**DIL, "budget": "recl"}
 STRATEGIES = {
-    "finetune": {"hooks": {}, "hyperparameters": {}, "grid": {},
-                 "rows": [(CIL, {"lr": 0.01, "epochs": 10}), (CIL_RECL, {"lr": 0.1, "epochs": 20}),
-                          (DIL, {"lr": 0.01, "epochs": 10}), (DIL_RECL, {"lr": 0.05, "epochs": 20})]},
+    "finetune": {"hooks": {}, "hyperparameters": {}, "grid": {}},
     "ewc": {"hooks": {"extra_loss": ewc_loss, "after_task": ewc_after_task},               # Kirkpatrick et al. 2017
             "hyperparameters": {"ewc_lambda": (100.0, *AT_LEAST_0)},
-            "grid": {"ewc_lambda": [10.0, 100.0, 1000.0, 10000.0]},
-            "rows": [(CIL, {"lr": 0.01, "epochs": 20, "ewc_lambda": 1000.0}),
-                     (CIL_RECL, {"lr": 0.1, "ewc_lambda": 100.0}),
-                     (DIL, {"lr": 0.01, "epochs": 20, "ewc_lambda": 10000.0}),
-                     (DIL_RECL, {"lr": 0.05, "ewc_lambda": 100.0})]},
+            "grid": {"ewc_lambda": [10.0, 100.0, 1000.0, 10000.0]}},
     "er": {"hooks": {"extra_loss": er_loss, "after_task": er_after_task},
            "hyperparameters": {"er_fraction": (0.1, *FRACTION)},                       # buffer: paper App. D.2
-           "grid": {},  # the buffer is a memory budget, fixed like the paper's, not tuned
-           "rows": [(CIL, {"lr": 0.05, "epochs": 20}), (CIL_RECL, {"lr": 0.1}), ({**CIL, **RECL}, {"ce_scope": "all"}),
-                    (DIL, {"lr": 0.1, "epochs": 10}), (DIL_RECL, {"lr": 0.05, "epochs": 20})]},
+           "grid": {}},  # the buffer is a memory budget, fixed like the paper's, not tuned
     "upgd": {"hooks": {"after_backward": upgd_after_backward},                          # Elsayed & Mahmood 2024
              "hyperparameters": {"upgd_beta": (0.999, "in [0, 1)", lambda v: 0 <= v < 1),
                                  "upgd_sigma": (0.001, *AT_LEAST_0), "upgd_weight_decay": (0.0, *AT_LEAST_0)},
-             "grid": {"upgd_beta": [0.9, 0.99, 0.999], "upgd_sigma": [0.0001, 0.001, 0.01]},
-             "rows": [(CIL, {"lr": 0.01, "epochs": 10, "upgd_beta": 0.99, "upgd_sigma": 0.001}),
-                      (CIL_RECL, {"lr": 0.1, "epochs": 20}),
-                      (DIL, {"lr": 0.01, "epochs": 20, "upgd_beta": 0.99, "upgd_sigma": 0.0001}),
-                      (DIL_RECL, {"lr": 0.1})]},
+             "grid": {"upgd_beta": [0.9, 0.99, 0.999], "upgd_sigma": [0.0001, 0.001, 0.01]}},
     "agem": {"hooks": {"after_backward": agem_after_backward, "after_task": agem_after_task},  # Chaudhry et al. 2019
              "hyperparameters": {"agem_patterns_per_task": (50, *POSITIVE), "agem_batch": (256, *POSITIVE)},
-             "grid": {"agem_patterns_per_task": [25, 50, 100]},
-             "rows": [(CIL, {"lr": 0.05, "epochs": 40, "agem_patterns_per_task": 100}),
-                      (CIL_RECL, {"lr": 0.1, "epochs": 20}),
-                      (DIL, {"lr": 0.05, "epochs": 40, "agem_patterns_per_task": 50}),
-                      (DIL_RECL, {"lr": 0.1, "epochs": 20})]},
+             "grid": {"agem_patterns_per_task": [25, 50, 100]}},
     "lwf": {"hooks": {"extra_loss": lwf_loss, "after_task": lwf_after_task},
             "hyperparameters": {"lwf_lambda": (1.0, *AT_LEAST_0), "lwf_temperature": (2.0, *POSITIVE)},  # Li & Hoiem
-            "grid": {"lwf_lambda": [0.5, 1.0, 2.0, 5.0], "lwf_temperature": [1.0, 2.0, 4.0]},
-            "rows": [(CIL, {"lr": 0.01, "epochs": 20, "lwf_lambda": 0.5, "lwf_temperature": 4.0}),
-                     (CIL_RECL, {"lr": 0.1}),
-                     (DIL, {"lr": 0.05, "epochs": 20, "lwf_lambda": 2.0, "lwf_temperature": 2.0}),
-                     (DIL_RECL, {"lwf_lambda": 0.5})]},
+            "grid": {"lwf_lambda": [0.5, 1.0, 2.0, 5.0], "lwf_temperature": [1.0, 2.0, 4.0]}},
     "gpm": {"hooks": {"after_backward": gpm_after_backward, "after_task": gpm_after_task},
             "hyperparameters": {"gpm_threshold": (0.99, *FRACTION), "gpm_samples": (300, *POSITIVE)},  # Saha et al.
-            "grid": {"gpm_threshold": [0.9, 0.95, 0.97, 0.99]},
-            "rows": [(CIL, {"lr": 0.01, "epochs": 20, "gpm_threshold": 0.9}), (CIL_RECL, {"lr": 0.1}),
-                     (DIL, {"lr": 0.1, "epochs": 20, "gpm_threshold": 0.9}), (RECL, {"replay_noise": 0.0}),
-                     ({**CIL, "variant": "centroids"}, {"replay_noise": 2.5})]},  # docs/evidence.md, the arms' knobs
+            "grid": {"gpm_threshold": [0.9, 0.95, 0.97, 0.99]}},
     "joint": {"hooks": {}, "hyperparameters": {},  # the upper bound: every task at once (recl.run_jointly)
-              "grid": {"epochs": [20, 40, 80, 160]},  # time to fit all tasks
-              "rows": [(CIL, {"lr": 0.1, "epochs": 80}), (DIL, {"lr": 0.1, "epochs": 40})]},
+              "grid": {"epochs": [20, 40, 80, 160]}},  # time to fit all tasks
 }
+
+# Each method's lr, epochs and hyperparameters per scenario, chosen on validation (docs/hyperparameters.md): "alone"
+# at its own training budget, and what "recl", the harder budget its +ReCL variant trains at, changes: ReCL reads
+# back only what the network has fitted (docs/departures.md, "training budget"). The rest: Config's, and the above.
+TUNED = {"cil": {
+    "finetune": {"alone": {"lr": 0.01, "epochs": 10}, "recl": {"lr": 0.1, "epochs": 20}},
+    "ewc": {"alone": {"lr": 0.01, "epochs": 20, "ewc_lambda": 1000.0}, "recl": {"lr": 0.1, "ewc_lambda": 100.0}},
+    "er": {"alone": {"lr": 0.05, "epochs": 20}, "recl": {"lr": 0.1}},
+    "upgd": {"alone": {"lr": 0.01, "epochs": 10, "upgd_beta": 0.99, "upgd_sigma": 0.001},
+             "recl": {"lr": 0.1, "epochs": 20}},
+    "agem": {"alone": {"lr": 0.05, "epochs": 40, "agem_patterns_per_task": 100}, "recl": {"lr": 0.1, "epochs": 20}},
+    "lwf": {"alone": {"lr": 0.01, "epochs": 20, "lwf_lambda": 0.5, "lwf_temperature": 4.0}, "recl": {"lr": 0.1}},
+    "gpm": {"alone": {"lr": 0.01, "epochs": 20, "gpm_threshold": 0.9}, "recl": {"lr": 0.1}},
+    "joint": {"alone": {"lr": 0.1, "epochs": 80}},
+}, "dil": {
+    "finetune": {"alone": {"lr": 0.01, "epochs": 10}, "recl": {"lr": 0.05, "epochs": 20}},
+    "ewc": {"alone": {"lr": 0.01, "epochs": 20, "ewc_lambda": 10000.0}, "recl": {"lr": 0.05, "ewc_lambda": 100.0}},
+    "er": {"alone": {"lr": 0.1, "epochs": 10}, "recl": {"lr": 0.05, "epochs": 20}},
+    "upgd": {"alone": {"lr": 0.01, "epochs": 20, "upgd_beta": 0.99, "upgd_sigma": 0.0001}, "recl": {"lr": 0.1}},
+    "agem": {"alone": {"lr": 0.05, "epochs": 40, "agem_patterns_per_task": 50}, "recl": {"lr": 0.1, "epochs": 20}},
+    "lwf": {"alone": {"lr": 0.05, "epochs": 20, "lwf_lambda": 2.0, "lwf_temperature": 2.0},
+            "recl": {"lwf_lambda": 0.5}},
+    "gpm": {"alone": {"lr": 0.1, "epochs": 20, "gpm_threshold": 0.9}, "recl": {}},
+    "joint": {"alone": {"lr": 0.1, "epochs": 40}},
+}}
+
+# A method's values on its replay arms, over the network's, by (scenario, method) for every arm and (scenario, method,
+# arm) for one; not under --paper. GPM replays without noise: its projection lets a layer learn only outside the old
+# tasks' input space, where noise trains directions real images never use; its centroids in CIL keep the noise
+# (docs/evidence.md, the arms' knobs). ER keeps CE over all classes: its real images already teach old against new
+# (docs/networks.md, "Third round").
+ARMS = {("cil", "er"): {"ce_scope": "all"}, ("cil", "gpm"): {"replay_noise": 0.0},
+        ("dil", "gpm"): {"replay_noise": 0.0}, ("cil", "gpm", "centroids"): {"replay_noise": 2.5}}

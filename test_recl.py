@@ -895,16 +895,33 @@ def test_bad_input_is_refused_in_one_line_that_names_the_problem(tmp_path, monke
 
 # ==== 6. The command line: each setting once, refusals in one line, results on disk ========================
 
-def test_every_flag_has_a_help_that_quotes_its_fields_default_and_the_rows_that_change_it():
+def test_every_flag_has_a_help_that_quotes_its_fields_default_and_points_to_the_tables_that_change_it():
     helps = {a.dest: a.help for a in config.make_parser()._actions}
     assert all(helps.values())
-    assert helps["n_rec"].endswith("(default: 100; rows: network: cnn and alexnet 30, network: resnet18 15)")
+    assert helps["n_rec"].endswith("(default: 100; networks and methods have their own: config.NETWORKS, "
+                                   "strategies.TUNED)")
     assert helps["lambda_min"].endswith("(default: 0.05)")
 
 
-def test_a_rows_values_apply_unless_a_flag_gives_its_own():
+def test_resolve_gives_a_replay_variant_its_networks_values():
+    assert (resolved("--model", "cnn").n_rec, resolved("--model", "cnn").set_by["n_rec"]) == (30, "network")
+
+
+def test_resolve_puts_the_methods_values_over_the_networks():
+    cfg = resolved("--model", "cnn", "--scenario", "dil", "--method", "gpm")  # the CNN's DIL noise is 1
+    assert (cfg.replay_noise, cfg.set_by["replay_noise"]) == (0.0, "method")
+
+
+def test_a_flag_given_wins_over_every_table_and_every_value_that_depends_on_others():
+    assert resolved("--method", "ewc", "--lr", "0.2").lr == 0.2  # the method's table says 0.1
     assert (resolved("--model", "cnn").lr_x, resolved("--model", "cnn", "--lr-x", "0.5").lr_x) == (0.01, 0.5)
-    assert resolved("--model", "cnn", "--method", "gpm").replay_noise == 0.0  # GPM's row, after the network's
+
+
+def test_the_header_names_where_each_resolved_value_came_from_in_one_word():
+    header = config.describe(resolved("--model", "cnn", "--method", "ewc", "--lr-x", "0.5"))
+    for part in ("| default: batch_size 64,", "| network: ce_scope local, m 20, n_rec 30,",
+                 "| method: lr 0.1, epochs 20, ewc_lambda 100 |", "| steps: lr_lambda 0.01 |", "| flag: lr_x 0.5 |"):
+        assert part in header
 
 
 def test_reconstruction_is_float32_on_any_cpu_unless_bfloat16_is_asked_for(monkeypatch):

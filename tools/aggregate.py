@@ -87,7 +87,7 @@ def summary_table(records):
 
 
 def tuning_table(searches):
-    """Markdown: the setting each validation search chose, ready for the method's rows in strategies.py."""
+    """Markdown: the setting each validation search chose, ready for strategies.TUNED."""
     rows = ["| dataset | scenario | method | chosen (validation) | val ACC | trials |", "|---|---|---|---|---|---|"]
     for r in sorted(searches, key=lambda r: (r["dataset"], r["scenario"], method_rank(r["method"].split("+")[0]))):
         best = max(r["trials"], key=lambda t: -math.inf if t["val_ACC"] is None else t["val_ACC"])
