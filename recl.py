@@ -49,11 +49,25 @@ import strategies
 
 # ==== 1. The paper ===================================================================================================
 #
-# Phi(theta; x) for a multi-class network is the margin of x's label y: its
-# logit minus the largest other logit. At a margin-maximisation point the
-# weights satisfy the stationarity condition (App. B.2, Eq. 9), which Eq. 3 turns
-# into a loss over n candidates x_1..x_n with fixed labels and coefficients
-# lambda_1..lambda_n (n = m candidates per old class, `--m`, times the old classes):
+# Why reading data out of weights can work (App. B). A homogeneous network, Phi(c theta; x) = c^L Phi(theta; x)
+# (ReLU layers without biases or skips), trained by gradient descent on cross-entropy, converges in direction to a
+# KKT point of the max-margin problem
+#
+#   min_theta 1/2 |theta|^2   s.t.   Phi_y_i(theta; x_i) - Phi_j(theta; x_i) >= 1   for every i and j != y_i.
+#
+# Its KKT system has four parts:
+#   stationarity             theta = sum_i sum_{j != y_i} lambda_ij grad_theta (Phi_y_i - Phi_j)(theta; x_i)   (Eq. 9)
+#   dual feasibility         lambda_ij >= 0                                                                    (Eq. 10)
+#   primal feasibility       every margin >= 1
+#   complementary slackness  lambda_ij > 0 only where x_i's margin against j is exactly 1 (points on the margin)
+# ReCL keeps the first two, as losses over unknown points: the training images are what is sought, the labels are
+# fixed, m per old class. It simplifies them: one lambda per point, on the margin against the best other class (Phi
+# below), not one per (point, class); primal feasibility and complementary slackness are dropped, so nothing asks a
+# candidate to sit on the margin.
+#
+# Phi(theta; x) for a multi-class network is thus the margin of x's label y: its logit minus the largest other
+# logit. Eq. 3 turns stationarity into a loss over n candidates x_1..x_n with coefficients lambda_1..lambda_n
+# (n = m candidates per old class, `--m`, times the old classes):
 #
 #   L_rec    = || theta - (1/n) sum_i lambda_i grad_theta Phi(theta; x_i) ||^2   (Eq. 3)
 #   L_lambda = 5 sum_i relu(lambda_min - lambda_i)^2                             (Eq. 4)
@@ -64,6 +78,23 @@ import strategies
 # plain ones); the sum is scaled by 1/n so that lambda_min means the same for any n;
 # the norm runs over every parameter. `scale` multiplies L_rec: 1 here; departure 1
 # divides by |theta - theta_0|^2, so that L_rec is the share left, whatever the network.
+#
+# Why lambda_min, not just lambda >= 0: lambda_i = 0 is feasible and takes x_i out of the sum, so the optimiser
+# could explain theta with a few candidates and leave the rest as noise. Eq. 4 pushes every lambda_i above
+# lambda_min: every candidate has to carry some of theta.
+#
+# Three facts of the implementation the loss relies on:
+#   - A double backward. L_rec contains grad_theta Phi(theta; x_i), and Step 1 needs its gradient in x_i and
+#     lambda_i: a derivative of a derivative. torch.func.grad builds the inner gradient as a graph that autograd can
+#     differentiate again; loss.backward() in `reconstruct` then goes through it.
+#   - The smooth ReLU (models.with_smooth_relu). ReLU's derivative is a step in z: the activation pattern, which
+#     decides grad_theta Phi, moves with x, but the step's derivative is zero, so that dependence is invisible to
+#     the outer gradient. The copy Step 1 uses keeps ReLU's forward (the margins are the network's own) and uses
+#     sigmoid(alpha z) as its derivative in the backward: a surrogate gradient, sharper as alpha grows.
+#   - One pass for the whole sum. sum_i lambda_i grad Phi(x_i) = grad sum_i lambda_i Phi(x_i), since a gradient is
+#     linear, provided each Phi(x_i) depends on its own x_i only. That holds in eval mode (batch norm uses its running
+#     statistics, no dropout); in train mode batch norm mixes the candidates of a batch and the identity fails.
+#     `step1` puts its copy in eval mode; a test checks the one-pass form against vmap's per-candidate gradients.
 
 def margins(model, params, x, y):
     """Phi_y(x) - max_{j != y} Phi_j(x) for a batch, with the network's weights as `params`."""

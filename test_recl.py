@@ -1043,7 +1043,7 @@ def test_a_refused_pt_leaves_no_results_folder_behind(tmp_path):
 
 sys.path.insert(0, str(HERE / "tools"))
 import plan  # noqa: E402
-from tools import aggregate, benchmark  # noqa: E402
+from tools import aggregate  # noqa: E402
 
 
 def planned(monkeypatch, tmp_path, *flags, **knobs):
@@ -1193,24 +1193,6 @@ def test_the_chart_draws_each_variant_at_its_mean_over_seeds(tmp_path):
 def test_each_tool_refuses_in_one_line(argv, error):
     code, _, err = command(sys.executable, *argv)
     assert (code != 0, err.splitlines()) == (True, [error])
-
-
-def test_the_benchmark_counts_a_reconstruction_steps_flops_as_before():
-    # 295,200,000: what experiments.CountFlops counted for this step (torch 2.14), the matrix products of
-    # 20 candidates through the 64-1000-1000-10 MLP, forward, backward and double backward
-    row = benchmark.reconstruction_step("mlp", (1, 8, 8), 20, torch.device("cpu"))
-    assert row["gflop"] * 1e9 == pytest.approx(295_200_000)
-
-
-def test_the_flop_counter_counts_a_product_and_a_convolution_with_their_backward_by_hand():
-    x, w = torch.randn(5, 7, requires_grad=True), torch.randn(3, 7, requires_grad=True)
-    image, kernel = torch.randn(2, 3, 9, 9, requires_grad=True), torch.randn(4, 3, 3, 3, requires_grad=True)
-    with benchmark.CountFlops() as product:
-        (x @ w.T).sum().backward()
-    with benchmark.CountFlops() as convolution:  # torch.profiler misses the convolution's backward
-        torch.nn.functional.conv2d(image, kernel, stride=2).sum().backward()
-    # forward and two backward products, each 2 flops per multiply-add; the convolution at 2 x 4 x 4 x 4 positions
-    assert (product.flops, convolution.flops) == (3 * 2 * 5 * 7 * 3, 3 * 2 * (2 * 4 * 4 * 4) * 3 * 3 * 3)
 
 
 def test_the_paired_interval_is_the_t_interval_of_the_differences_by_hand():

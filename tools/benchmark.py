@@ -1,12 +1,10 @@
-"""What ReCL costs: the seconds and FLOPs of one reconstruction step (Eq. 3-5 and their backward) for the MLP
+"""What ReCL costs: the seconds of one reconstruction step (Eq. 3-5 and their backward) for the MLP
 (1x28x28) and the CNN (3x32x32) at m = 200 and 800. End to end, `python recl.py --method finetune` prints each
 run's seconds, its JSON the reconstruction's ("phase_seconds"). Usage: python tools/benchmark.py [--device cuda]"""
 import sys
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import config  # noqa: E402
@@ -14,20 +12,8 @@ import models  # noqa: E402
 import recl  # noqa: E402
 
 
-# FlopCounterMode's module tracker fails inside torch.func.grad (torch 2.14); so its formulas, in a dispatch mode:
-class CountFlops(TorchDispatchMode):
-    """The floating-point operations of every matrix product and convolution run inside it."""
-    flops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func._overloadpacket in flop_registry:
-            self.flops += flop_registry[func._overloadpacket](*args, **(kwargs or {}), out_val=out)
-        return out
-
-
 def reconstruction_step(name, input_shape, m, device):
-    """FLOPs and seconds (mean of 5) of one float32 step of step 1 for m candidates over 10 classes."""
+    """Seconds (mean of 5) of one float32 step of step 1 for m candidates over 10 classes."""
     torch.manual_seed(0)
     model = models.build_model(name, input_shape, 10).to(device)
     with torch.no_grad():  # weights moved from their start, as after training
@@ -40,12 +26,10 @@ def reconstruction_step(name, input_shape, m, device):
     x = (1e-3 * torch.randn(len(labels), *input_shape, device=device)).requires_grad_()
     lam = torch.rand(len(labels), device=device).requires_grad_()
     L = recl.stationarity_loss(net, params, labels, target, 0.05, None, scale)
-    with CountFlops() as counter:  # forward, backward and double backward; also the warm-up
-        sum(L(x, lam).values()).backward()
+    sum(L(x, lam).values()).backward()  # forward, backward and double backward, once to warm up
     from torch.utils.benchmark import Timer  # here: importing it can print a CUDA warning
     timer = Timer("sum(L(x, lam).values()).backward()", globals=locals(), num_threads=torch.get_num_threads())
-    seconds, flops = timer.timeit(5).mean, counter.flops  # after its own warm-up; it waits for the GPU
-    return {"model": name, "m": m, "seconds": seconds, "gflop": flops / 1e9, "gflops": flops / seconds / 1e9}
+    return {"model": name, "m": m, "seconds": timer.timeit(5).mean}  # it waits for the GPU
 
 
 def main():
@@ -60,7 +44,7 @@ def main():
     for name, shape in (("mlp", (1, 28, 28)), ("cnn", (3, 32, 32))):
         for m in (200, 800):
             result["steps"].append(r := reconstruction_step(name, shape, m, device))
-            print(f"{name}, m = {m}: {r['seconds']:.3f} s per step, {r['gflop']:.2f} GFLOP, {r['gflops']:.0f} GFLOP/s")
+            print(f"{name}, m = {m}: {r['seconds']:.3f} s per step")
     config.write_json_atomically(out, result)
     print(f"-> {out}")
 
