@@ -106,9 +106,9 @@ PAPER = {"rec_target": "weights", "freeze_old": False, "filter": False, "replay_
          "rec_optimizer": "sgd", "replay_batch": 0, "ce_scope": "all", "budget": "alone"}  # --paper
 
 # ==== A run's values, looked up ======================================================================================
-# The replay variants' values per network and scenario, chosen on validation (networks.md: "Second round" for the
+# The replay variants' values per network and scenario, chosen on validation (networks.md: "Why, in numbers" for the
 # CNN, "ResNet18"); in DIL no inversion term (departures.md, 5). AlexNet takes the CNN's, at the method's own budget:
-# the harder one bought it nothing (networks.md, "Fourth round").
+# the harder one bought it nothing (networks.md, "AlexNet").
 CONV = {"rec_optimizer": "adam", "m": 20, "n_rec": 30, "replay_batch": 64}
 RESNET = {"rec_optimizer": "adam", "m": 10, "n_rec": 15, "replay_batch": 32, "replay_noise": 1.0}
 NETWORKS = {"mlp": {"cil": {}, "dil": {"ce_weight": 0.0}},
@@ -159,7 +159,7 @@ def resolve(args, seed, variant):
         retune("steps", lr_x=1.0)
     if values["rec_optimizer"] == "adam":
         retune("steps", lr_x=1e-3 if model == "resnet18" else 0.01, lr_lambda=0.01)
-    # the CNN trains gently in DIL, for every method: Eq. 3 can then read it (networks.md, "Eighth round")
+    # the CNN trains gently in DIL, for every method: Eq. 3 can then read it (networks.md, "The CNN's budget in DIL")
     if model == "cnn" and scenario == "dil" and tuned and budget == "recl":
         retune("network", lr=0.01, epochs=40)
     if values["tuning"] in ("unsup", "sup") and values["trials"] is None:

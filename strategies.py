@@ -292,6 +292,6 @@ TUNED = {"cil": {
 # arm) for one; not under --paper. GPM replays without noise: its projection lets a layer learn only outside the old
 # tasks' input space, where noise trains directions real images never use; its centroids in CIL keep the noise
 # (docs/evidence.md, the arms' knobs). ER keeps CE over all classes: its real images already teach old against new
-# (docs/networks.md, "Third round").
+# (docs/networks.md, "The settings").
 ARMS = {("cil", "er"): {"ce_scope": "all"}, ("cil", "gpm"): {"replay_noise": 0.0},
         ("dil", "gpm"): {"replay_noise": 0.0}, ("cil", "gpm", "centroids"): {"replay_noise": 2.5}}

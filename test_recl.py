@@ -942,8 +942,8 @@ def test_a_flag_of_the_recl_variant_never_changes_the_method_alones_run():
 
 def test_every_default_resolves_as_the_dump_made_before_the_restructuring():
     """docs/runs/defaults-3bb579d.json: 1,088 command lines, each config or refusal. On purpose since:
-    --paper --rec-optimizer adam on ResNet18 takes ResNet18's Adam step (issue 43); departure 11 is gone (issue 48);
-    the CNN's +ReCL variants train at lr 0.01 for 40 epochs in DIL (issue 48, third session)."""
+    --paper --rec-optimizer adam on ResNet18 takes ResNet18's Adam step; departure 11 is gone;
+    the CNN's +ReCL variants train at lr 0.01 for 40 epochs in DIL; --rec-objective is now --replay-source."""
     dump, differ = json.loads((HERE / "docs/runs/defaults-3bb579d.json").read_text()), []
     for line, before in dump.items():
         argv = line.replace("--rec-objective", "--replay-source").split()  # the flag's name since the dump
