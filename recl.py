@@ -17,6 +17,8 @@ Read top to bottom:
      (3, the filter) in run_continual.
   3. The departures, one function each, numbered as in docs/departures.md.
   4. `main`: the command line, from flags to one JSON file per run.
+Part 1's functions also run alone: `python tools/see_eq3_work.py` trains an MLP long on a few digits, the regime the
+theory is about, and shows Eq. 3 giving the training images back (docs/see-eq3-work.md).
 
 `--paper` (`config.PAPER`) switches every departure off: Eq. 3 fits theta (1), every
 class restarts from noise (2), no filter (3), no replay noise (4), no inversion term (5), SGD
