@@ -25,7 +25,6 @@ if [[ " $* " == *" -h "* || " $* " == *" --help "* ]]; then
   sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'
   exit 0
 fi
-[ -z "${SWEEP:-}${TUNE:-}" ] || { echo "run_all: SWEEP and TUNE are gone; bash run_all.sh -h says how" >&2; exit 2; }
 PYTHON=${PYTHON:-python}
 here=$(cd "$(dirname "$0")" && pwd)
 plan=$("$PYTHON" "$here/tools/plan.py" "$@") || exit 2  # from your folder: your paths are read there

@@ -2,7 +2,6 @@
 (Eq. 1-6), its two loops, the departures, the task loop on trained networks; then data,
 networks, strategies and judging; then the command line, run_all.sh and the tools.
 Run with `python -m pytest -q`; everything runs on tiny problems on the CPU."""
-import ast
 import copy
 import dataclasses
 import gzip
@@ -140,14 +139,6 @@ def test_the_inversion_term_adds_its_weight_times_the_cross_entropys_gradient():
     difference = torch.autograd.grad(sum(mixed.values()), x)[0] - torch.autograd.grad(sum(plain.values()), x)[0]
     torch.testing.assert_close(difference, 0.25 * ce_and_prior_gradient(model, x.detach(), labels, 100.0, 0))
 
-
-def test_the_papers_part_takes_values_and_reads_no_setting():
-    source = (HERE / "recl.py").read_text()
-    part1 = source[source.index("# ==== 1. The paper"):source.index("# ==== 2. A run")]
-    assert "cfg" not in {n.id for n in ast.walk(ast.parse(part1)) if isinstance(n, ast.Name)}
-
-
-# ==== 2. The two loops ======================================================================================
 
 def bowl(seen):
     """x^2 - 0.5 x, summed: momentum carries the candidates past its bottom and back."""
@@ -895,14 +886,6 @@ def test_bad_input_is_refused_in_one_line_that_names_the_problem(tmp_path, monke
 
 # ==== 6. The command line: each setting once, refusals in one line, results on disk ========================
 
-def test_every_flag_has_a_help_that_quotes_its_fields_default_and_points_to_the_tables_that_change_it():
-    helps = {a.dest: a.help for a in config.make_parser()._actions}
-    assert all(helps.values())
-    assert helps["n_rec"].endswith("(default: 100; networks and methods have their own: config.NETWORKS, "
-                                   "strategies.TUNED)")
-    assert helps["lambda_min"].endswith("(default: 0.05)")
-
-
 def test_resolve_gives_a_replay_variant_its_networks_values():
     assert (resolved("--model", "cnn").n_rec, resolved("--model", "cnn").set_by["n_rec"]) == (30, "network")
 
@@ -1074,11 +1057,6 @@ def test_a_results_folder_is_named_by_the_settings_not_their_spelling(monkeypatc
 
 def test_the_readmes_table_has_no_run_left_to_do(monkeypatch):
     assert planned(monkeypatch, HERE, RESULTS="docs/runs/table") == [str(HERE / "docs/runs/table")]
-
-
-def test_run_all_refuses_the_knobs_it_no_longer_has():
-    code, _, err = run_all(SWEEP="m 10 25")
-    assert code == 2 and err.startswith("run_all: SWEEP and TUNE are gone")
 
 
 def test_run_all_h_prints_its_usage():
