@@ -140,6 +140,8 @@ def test_the_inversion_term_adds_its_weight_times_the_cross_entropys_gradient():
     torch.testing.assert_close(difference, 0.25 * ce_and_prior_gradient(model, x.detach(), labels, 100.0, 0))
 
 
+# ==== 2. The two loops ======================================================================================
+
 def bowl(seen):
     """x^2 - 0.5 x, summed: momentum carries the candidates past its bottom and back."""
     def L_full(x, lam):
