@@ -297,27 +297,19 @@ def run_continual(cfg, tasks, log=print, judge=None, search=None):
     model = models.build_model(cfg.model, tasks[0].x_train.shape[1:], per_task).to(cfg.device)
     hooks, state = strategies.STRATEGIES[cfg.method]["hooks"], strategies.new_state(cfg.method, **cfg.hp)
     R, reconstructions, quality, last, diverged = [[None] * len(tasks) for _ in tasks], [], [], None, None
-    memory, stored = [], 0  # the stored arms' kept images, per old task; how many images the arm holds
+    memory = []  # the stored controls' kept images and labels, per old task
     for t, task in enumerate(tasks):
         x_rec, y_rec = task.x_train[:0], task.y_train[:0]
-        if cfg.variant in ("real", "centroids") and t > 0:  # the controls that store images instead of reading them
-            x_rec, y_rec = torch.cat([x for x, _ in memory]), torch.cat([y for _, y in memory])
-            if cfg.filter:  # departure 3, as for the reconstructions
-                keep = classified_as_labelled(model, x_rec, y_rec)
-                x_rec, y_rec = x_rec[keep], y_rec[keep]
-            reconstructions.append({"task": t + 1, "candidates": sum(len(x) for x, _ in memory), "kept": len(x_rec),
-                                    "failed": None, "seconds": 0.0})
-            log(f"  [{name}] task {t + 1}: replays {len(x_rec)}/{reconstructions[-1]['candidates']} stored images "
-                f"({stored} distinct)")
-            if judge and len(x_rec):
-                quality.append(judge(tasks[:t], x_rec, y_rec))
-        elif cfg.variant != "base" and t > 0:  # Step 1: reconstruct old data from the model after task t
+        if cfg.variant != "base" and t > 0:  # Step 1: reconstruct old data from the model after task t
             start = time.time()
-            if cfg.tuning in (None, "naive"):
+            if cfg.variant in ("real", "centroids"):  # the stored controls read nothing: they replay what they kept
+                (x_rec, y_rec), lam, report = (torch.cat(v) for v in zip(*memory)), None, {"failed": None}
+                report["candidates"] = len(x_rec)
+            elif cfg.tuning in (None, "naive"):
                 x_rec, y_rec, lam, report = step1(model, tasks[:t], cfg, last, log)
             else:  # Sec. 4.3: several reconstructions, the best by a score
                 x_rec, y_rec, lam, report = search(lambda c: step1(model, tasks[:t], c, last, log), tasks[:t], cfg, log)
-            last, stored = (x_rec, y_rec, lam), len(x_rec)  # whole, before the filter: for departure 2
+            last = (x_rec, y_rec, lam)  # whole, before the filter: for departure 2
             if cfg.filter:  # departure 3: drop those the model (of the old classes) files under another class
                 keep = classified_as_labelled(model, x_rec, y_rec)
                 x_rec, y_rec = x_rec[keep], y_rec[keep]
@@ -342,13 +334,13 @@ def run_continual(cfg, tasks, log=print, judge=None, search=None):
             hooks["after_task"](model, data.loader(task.x_train, task.y_train, cfg.batch_size, shuffle=False), state)
         if cfg.variant in ("real", "centroids") and t < len(tasks) - 1:
             memory.append(stored_images(task, cfg.m, cfg.variant == "centroids", cfg.seed + t))
-            stored += len(task.classes) if cfg.variant == "centroids" else len(memory[-1][0])
         R[t][:t + 1] = [accuracy(model, old.x_test, old.y_test) for old in tasks[:t + 1]]
         log(f"  [{name}] task {t + 1}/{len(tasks)} classes {task.classes}: loss {loss:.3f}, "
             f"acc {' '.join(f'{a:.1f}' for a in R[t][:t + 1])}")
     acc, bwt = acc_and_bwt(R) if diverged is None else (None, None)
     record = record_of(cfg, R, acc, bwt, diverged, reconstructions, quality, started)
-    return {**record, "stored_images": stored if cfg.variant != "base" else 0}
+    held = 0 if last is None else len(last[0].unique(dim=0)) if cfg.variant == "centroids" else len(last[0])
+    return {**record, "stored_images": held}  # what the arm holds before the last task: a centroid counts once
 
 
 def run_jointly(cfg, tasks, log=print):
@@ -521,6 +513,9 @@ def reconstruction_report(losses, best, first_terms):
 
 def noted(report, t, kept, started, name, log):
     """Log what the reconstruction before task t + 1 did; its entry in the run's record."""
+    if "first_loss" not in report:  # a stored control: nothing was optimised
+        log(f"  [{name}] task {t + 1}: replays {kept}/{report['candidates']} stored images")
+        return {"task": t + 1, **report, "kept": kept, "seconds": round(time.time() - started, 2)}
     left = (f", Eq. 3 leaves {report['kept_terms']['rec']:.0%} of |theta - theta_0|^2 unexplained"  # departure 1
             if report["rec_scale"] != 1.0 and "rec" in report["kept_terms"] else "")
     log(f"  [{name}] task {t + 1}: reconstructed {kept}/{report['candidates']}, "
