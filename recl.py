@@ -146,7 +146,8 @@ def candidate_labels(n_outputs, m, n_old_tasks, scenario):
 
 
 def random_start(n, input_shape, sigma_x, seed):
-    """x_i ~ N(0, sigma_x^2 I) (Sec. 4.1) and lambda_i ~ U(0, 1), the same draw for a seed."""
+    """x_i ~ N(0, sigma_x^2 I) (Sec. 4.1) and lambda_i ~ U(0, 1), the same draw for a seed: before every task
+    slot i starts from the same noise (with departure 2 the earlier classes' slots are then overwritten)."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(n, *input_shape, generator=gen) * sigma_x, torch.rand(n, generator=gen)
 
@@ -540,6 +541,7 @@ def main(argv=None):
     config.provenance()  # the code this process loaded, named now
     config.check(args)
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
+    # per seed, the method alone and its replay variant (+ReCL, or the arm --replay-source names); --variant picks one
     runs = [config.resolve(args, seed, variant) for seed in range(args.seed, args.seed + (args.seeds or 1))
             for variant in config.variants(args)]
     loaded = None
