@@ -1200,11 +1200,12 @@ def arm_rows(folder):
     return [line for block in blocks for line in block.split("\n\n")[1].splitlines()[2:]]
 
 
-@pytest.mark.parametrize("folder", ["table", "sealed"])
-def test_the_readmes_tables_are_what_their_runs_give(folder, tmp_path):
+@pytest.mark.parametrize("folder, page", [("table", "README.md"), ("sealed", "README.md"),
+                                          ("cnn-arms", "docs/evidence.md")])
+def test_the_shown_arm_tables_are_what_their_runs_give(folder, page, tmp_path):
     shutil.copytree(HERE / "docs/runs" / folder, tmp_path / folder)  # aggregate draws its charts there
-    rows, readme = arm_rows(tmp_path / folder), (HERE / "README.md").read_text().splitlines()
-    assert rows and [row for row in rows if row not in readme] == []
+    rows, shown = arm_rows(tmp_path / folder), (HERE / page).read_text().splitlines()
+    assert rows and [row for row in rows if row not in shown] == []
 
 
 def test_see_eq3_work_reads_the_training_images_out_of_the_trained_network_not_the_untrained_one():
