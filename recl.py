@@ -304,8 +304,8 @@ def run_continual(cfg, tasks, log=print, judge=None, search=None):
         if cfg.variant != "base" and t > 0:  # Step 1: reconstruct old data from the model after task t
             start = time.time()
             if cfg.variant in ("real", "centroids"):  # the stored controls read nothing: they replay what they kept
-                (x_rec, y_rec), lam, report = (torch.cat(v) for v in zip(*memory)), None, {"failed": None}
-                report["candidates"] = len(x_rec)
+                x_rec, y_rec = (torch.cat(kept) for kept in zip(*memory))
+                lam, report = None, {"candidates": len(x_rec), "failed": None}
             elif cfg.tuning in (None, "naive"):
                 x_rec, y_rec, lam, report = step1(model, tasks[:t], cfg, last, log)
             else:  # Sec. 4.3: several reconstructions, the best by a score

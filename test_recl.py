@@ -1176,7 +1176,8 @@ def test_each_tool_refuses_in_one_line(argv, error):
 
 
 def test_the_paired_interval_is_the_t_interval_of_the_differences_by_hand():
-    a, b = {0: 3.0, 1: 5.0, 2: 4.0, 3: 6.0, 4: 2.0}, {0: 1.0, 1: 2.0, 2: 3.0, 3: 2.0, 4: 2.0, 9: 7.0}  # seed 9: unpaired
+    a = {0: 3.0, 1: 5.0, 2: 4.0, 3: 6.0, 4: 2.0}
+    b = {0: 1.0, 1: 2.0, 2: 3.0, 3: 2.0, 4: 2.0, 9: 7.0}  # seed 9: unpaired
     # differences 2, 3, 1, 4, 0: mean 2, sample variance 10 / 4, t(0.975, df 4) = 2.776; 4 of 5 above 0
     half = 2.776 * math.sqrt(10 / 4) / math.sqrt(5)
     assert aggregate.paired(a, b) == pytest.approx((2.0, 2.0 - half, 2.0 + half, 4, 5))

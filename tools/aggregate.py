@@ -137,7 +137,8 @@ def arms_tables(records):
     value = lambda name, key: {s: r[key] for s, r in runs.get(name, {}).items()}
     methods = sorted({r["method"] for r in records if r["method"] != "joint"}, key=method_rank)
     mean = lambda name: f"{statistics.mean(value(name, 'ACC').values()):.2f}" if name in runs else ""
-    acc = ["| method | " + " | ".join(label for label, _ in ARMS) + " | ReCL − inversion (ACC, 95% CI, seeds above) |",
+    last = "ReCL − inversion (ACC, 95% CI, seeds above)"
+    acc = ["| method | " + " | ".join(label for label, _ in ARMS) + f" | {last} |",
            "|---|" + "---|" * (len(ARMS) + 1)]
     acc += [f"| {m} | " + " | ".join(mean(m + suffix) for _, suffix in ARMS)
             + f" | {difference(value(m + '+recl', 'ACC'), value(m + '+inversion', 'ACC'))} |" for m in methods]

@@ -42,7 +42,8 @@ def flags_of(settings):
 
 
 def plan(argv, cwd):
-    own = "--out --method --variant --scenario --dataset --seed --seeds --replay-source --budget --data-root".split()  # per run
+    # run_all sets these per run
+    own = "--out --method --variant --scenario --dataset --seed --seeds --replay-source --budget --data-root".split()
     for word in (w.split("=")[0] for w in argv if w.split("=")[0] in own):
         raise config.UsageError(f"{word} is run_all's to set per run: use its knobs")
     parser = config.make_parser()
