@@ -1,53 +1,145 @@
-"""ReCL: Reconstruction for Continual Learning, from "Slowing Down Forgetting in Continual
-Learning" (Janetzky, Schlagenhauf, Feuerriegel); equation numbers are the paper's.
+"""ReCL: Reconstruction for Continual Learning, from "Slowing Down Forgetting in Continual Learning" (Janetzky,
+Schlagenhauf, Feuerriegel); equation numbers are the paper's.
 
-A network trained by gradient descent drifts towards a margin-maximisation point, where its
-weights are a non-negative combination of the gradients of its margins at the training points:
-theta = sum_i lambda_i grad_theta Phi(theta; x_i), lambda_i >= 0 (App. B). ReCL reads this
-backwards: before each new task it optimises random candidates x_i and their lambda_i until the
-equation holds for the current weights (Step 1, Sec. 4.1), then trains on those reconstructions
-with the new task's data (Step 2, Sec. 4.2).
+A network trained by gradient descent drifts towards a margin-maximisation point, where its weights are a
+non-negative combination of the gradients of its margins at the training points: theta = sum_i lambda_i
+grad_theta Phi(theta; x_i), lambda_i >= 0 (App. B). ReCL reads this backwards: before each new task it optimises
+random candidates x_i and their lambda_i until the equation holds for the current weights (Step 1, Sec. 4.1), then
+trains on those reconstructions with the new task's data (Step 2, Sec. 4.2).
 
 Read top to bottom:
-  1. The paper: Eq. 3-6, Step 1's loop (`reconstruct`), Step 2's loop (`train_task`), the
-     metrics (Eq. 1-2). Each loop takes values, as PyTorch code does.
-  2. A run: `step1` and `step2` build those values from a `config.Config` (its values are
-     in the header a run prints), and `run_continual` is the task loop. Each departure
-     from the paper is one `if cfg.<field>:` line where it acts: in step1, in step2, or
-     (3, the filter) in run_continual.
-  3. The departures, one function each, numbered as in docs/departures.md.
-  4. `main`: the command line, from flags to one JSON file per run.
-Part 1's functions also run alone: `python tools/see_eq3_work.py` trains an MLP long on a few digits, the regime the
-theory is about, and shows Eq. 3 giving the training images back (docs/see-eq3-work.md).
+  0. The settings: `Config`, one field per setting with its help; the tables a run's values are looked up in.
+  1. The paper: Eq. 3-6, Step 1's loop (`reconstruct`), Step 2's loop (`train_task`), Eq. 1-2. Plain functions.
+  2. A run: `step1` and `step2` build those loops' values from a Config, each departure from the paper one named
+     `if` line where it acts; `run_continual` is the task loop.
+  3. The departures, one function each, numbered as in docs/departures.md; the controls (inversion, stored images).
+  4. Judging a reconstruction (SSIM, App. D.5) and Sec. 4.3's search, which Step 1 calls directly.
+  5. The command line: a run's values looked up (`resolve`), the checks, the result files, `main`.
+The continual-learning methods (EWC, ER, ...) are hooks in strategies.py; networks in models.py; data in data.py.
+`python tools/see_eq3_work.py` shows Step 1 giving training images back in the regime the theory is about.
 
-`--paper` (`config.PAPER`) switches every departure off: Eq. 3 fits theta (1), every
-class restarts from noise (2), no filter (3), no replay noise (4), no inversion term (5), SGD
-(6), cross-entropy over all classes (8), the reconstructions join the task's data (9); 7 and
-10-15 were tried and lost, and have no code. It also trains at the method's own budget (lr,
-epochs, hyperparameters; with ReCL the defaults have their own, docs/departures.md). Eq. 3-6's
-own settings (m, n_rec, sigma_x, the step sizes, lambda_min, alpha) keep their values. It runs the
-paper's text plus these choices, on in every run, that its reference code (Buzaglo et al. 2023) makes
-or the text leaves open:
-  - Eq. 4 and 5 as squared hinges (the paper prints plain ones), weight 5 on Eq. 4, and
-    Eq. 3's sum scaled by 1/n (n candidates), as the reference code;
-  - SGD with momentum 0.9 for the candidates and lambdas (the paper says SGD);
-  - a reconstruction hands back its lowest-loss step, not its last (a step can overshoot);
-  - batch-norm statistics re-estimated after each task (only ResNet18 has them);
-  - float32 throughout (bfloat16 products in Step 1 only with --rec-precision bfloat16).
+`--paper` (PAPER) switches every departure off and trains at the method's own budget. It keeps these choices, on in
+every run, that the paper's reference code (Buzaglo et al. 2023) makes or its text leaves open: Eq. 4 and 5 as
+squared hinges (the paper prints plain ones), weight 5 on Eq. 4, Eq. 3's sum scaled by 1/n; SGD with momentum 0.9
+for the candidates and lambdas; the lowest-loss step of a reconstruction, not its last; batch-norm statistics
+re-estimated after each task (ResNet18 only); float32 throughout.
 """
+import argparse
 import dataclasses
+import functools
+import hashlib
+import json
 import math
+import os
+import shlex
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
-import config
 import data
-import judging
 import models
 import strategies
+
+# ==== 0. The settings ================================================================================================
+
+
+def setting(default, help, low=None, high=None, above=None, choices=None, kind=None, flag=True):
+    """A Config field: its default, its help, and what a flag may give it (low <= v, above < v, v <= high)."""
+    return dataclasses.field(default=default, metadata=dict(help=help, low=low, high=high, above=above,
+                                                            choices=choices, kind=kind, flag=flag))
+
+
+per_class = lambda text: text if text == "all" else int(text)  # --n-per-class
+COUNT = dict(above=0, high=100_000)  # far beyond any study here, far short of forever
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Every value one run uses; the defaults are the MLP's +ReCL run on SplitMNIST. The fields from `m` to `trials`
+    are the replay variant's: None for the method alone (and those of Eq. 3-5 for the controls, which skip them)."""
+    # what runs
+    dataset: str = setting("mnist", "mnist (shipped), fashion-mnist, cifar10, or a .pt")
+    scenario: str = setting("cil", "class-incremental (a growing head) or domain-incremental (one head)",
+                            choices=["cil", "dil"])
+    method: str = setting("finetune", "the continual-learning method", choices=list(strategies.STRATEGIES))
+    variant: str = setting("base", "base (the method alone), or what it replays: recl (Eq. 3), inversion, real "
+                           "or centroids", flag=False)  # the flags are --variant and --replay-source
+    model: str = setting("mlp", "the paper's MLP or CNN, or the non-homogeneous AlexNet or ResNet18",
+                         choices=models.MODELS)
+    seed: int = setting(0, "first seed: class order, init and shuffles", low=0)
+    # data
+    n_per_class: int | None = setting(100, "training images per class, or 'all'", kind=per_class, above=0)
+    classes_per_task: int = setting(2, "classes per task", above=0)
+    validation: bool = setting(False, "score on 20%% of each task's training images, held out, not the test set")
+    data_root: str = setting("data", "where fashion-mnist and cifar10 live")
+    # training (Step 2)
+    lr: float = setting(0.05, "SGD learning rate", above=0, high=10.0)
+    epochs: int = setting(20, "epochs per task", above=0, high=10_000)
+    batch_size: int = setting(64, "training batch size", above=0)
+    ce_scope: str = setting("all", "CIL, departure 8: the task's own images scored over all classes, over its new "
+                            "classes only (new), or also the replayed ones over the old only (local)",
+                            choices=["all", "new", "local"])
+    hp: dict = dataclasses.field(default_factory=dict)  # the method's own hyperparameters (strategies.py), by --hp
+    # reconstruction (Step 1) and replay
+    m: int | None = setting(None, "candidates per old class (in DIL per class and old task); "
+                            "default: as many as training images per class", kind=int, **COUNT)
+    n_rec: int | None = setting(100, "reconstruction steps before each task", **COUNT)
+    sigma_x: float | None = setting(1e-3, "std of the initial random candidates", above=0, high=10.0)
+    lr_x: float | None = setting(3.0, "step size of the candidates", above=0, high=1000.0)
+    lr_lambda: float | None = setting(0.1, "step size of the lambdas", above=0, high=1000.0)
+    lambda_min: float | None = setting(0.05, "Eq. 4 pushes each lambda_i above this", above=0, high=1000.0)
+    alpha: float | None = setting(100.0, "sharpness of the smooth ReLU's backward", above=0, high=1e6)
+    rec_target: str | None = setting("displacement", "departure 1: what Eq. 3 fits, theta - theta_0 or theta "
+                                     "as written (weights)", choices=["weights", "displacement"])
+    freeze_old: bool | None = setting(True, "departure 2: classes reconstructed before keep their candidates")
+    filter: bool | None = setting(True, "departure 3: replay only candidates the model files under their label")
+    replay_noise: float | None = setting(2.5, "departure 4: std of fresh noise on replayed rows, in pixel stds",
+                                         low=0, high=100.0)
+    ce_weight: float | None = setting(3e-4, "departure 5: weight of inversion's cross-entropy added to Eq. 6",
+                                      low=0, high=1e6)
+    rec_optimizer: str | None = setting("sgd", "departure 6: the candidates' optimiser", choices=["sgd", "adam"])
+    replay_batch: int | None = setting(0, "departure 9: reconstructions drawn into each batch of the task's "
+                                       "own images; 0: they join the task's data", low=0, high=100_000)
+    budget: str | None = setting("recl", "the method's lr, epochs, hp: its +ReCL variant's (recl) or its own "
+                                 "(alone); --budget recl on the method alone trains it as +ReCL trains, no replay",
+                                 choices=["alone", "recl"])
+    rec_precision: str | None = setting("float32", "number format of the reconstruction's products",
+                                        choices=["float32", "bfloat16"])
+    tuning: str | None = setting("naive", "Sec. 4.3: the run's values, or a search per task scored by the final "
+                                 "L_full (unsup) or by SSIM to a few stored real images (sup)",
+                                 choices=["naive", "unsup", "sup"])
+    trials: int | None = setting(None, "the search's trials per task (default: 10)", kind=int, above=0, high=1000)
+    paper: bool = setting(False, "the paper as written: every departure off, the method's own training budget")
+    # where
+    device: str = setting("auto", "auto: CUDA when present", choices=["auto", "cpu", "cuda"])
+    set_by: dict = dataclasses.field(default_factory=dict)  # each value not a default: where it came from
+
+
+FIELDS, DEFAULTS = [f.name for f in dataclasses.fields(Config)], dataclasses.asdict(Config())
+RECL_FIELDS = FIELDS[FIELDS.index("m"):FIELDS.index("paper")]  # what the method alone does not use
+# --paper: the paper as written, every departure off.
+PAPER = {"rec_target": "weights", "freeze_old": False, "filter": False, "replay_noise": 0.0, "ce_weight": 0.0,
+         "rec_optimizer": "sgd", "replay_batch": 0, "ce_scope": "all", "budget": "alone"}
+# The controls skip what is Eq. 3-6's: inversion has no lambdas, no target, no added term; the stored arms (real
+# images, class centroids) optimise nothing: only m, the filter and the replay are theirs.
+CONTROL = {"lr_lambda": None, "lambda_min": None, "rec_target": None, "ce_weight": None}
+STORED = {k: None for k in RECL_FIELDS if k not in ("m", "filter", "replay_noise", "replay_batch", "budget")}
+SOURCES = {"eq3": "recl", "inversion": "inversion", "real": "real", "centroids": "centroids"}  # --replay-source
+# Each network's replay values per scenario, chosen on validation (docs/networks.md); in DIL no inversion term
+# (docs/departures.md, 5). AlexNet takes the CNN's at the method's own budget: the harder one bought it nothing.
+CONV = {"rec_optimizer": "adam", "m": 20, "n_rec": 30, "replay_batch": 64}
+RESNET = {"rec_optimizer": "adam", "m": 10, "n_rec": 15, "replay_batch": 32, "replay_noise": 1.0}
+NETWORKS = {"mlp": {"cil": {}, "dil": {"ce_weight": 0.0}},
+            "cnn": {"cil": {**CONV, "ce_scope": "local", "ce_weight": 0.03},
+                    "dil": {**CONV, "replay_noise": 1.0, "ce_weight": 0.0}},
+            "resnet18": {"cil": RESNET, "dil": {**RESNET, "ce_weight": 0.0}}}
+NETWORKS["alexnet"] = {scenario: {**values, "budget": "alone"} for scenario, values in NETWORKS["cnn"].items()}
+# The methods' own tuned values are strategies.TUNED (lr, epochs, hyperparameters) and strategies.ARMS (per arm).
 
 # ==== 1. The paper ===================================================================================================
 #
@@ -224,16 +316,15 @@ def accuracy(model, x, y, batch_size=1000):
     return 100.0 * correct / len(x)
 
 
-# ==== 2. A run: the values each step takes, and the task loop ========================================================
+
+# ==== 2. A run: the values each loop takes, and the task loop ========================================================
 
 def step1(model, old_tasks, cfg, last=None, log=print):
     """Step 1 for a run: candidates for every old class, read from `model` after its last task.
     `last`: the previous reconstruction (x, labels, lambdas). Returns x, labels, lambdas, report."""
     device = next(model.parameters()).device
     labels = candidate_labels(model.head.out_features, cfg.m, len(old_tasks), cfg.scenario).to(device)
-    # The paper's smooth ReLU (Haim et al. 2022): ReLU's derivative is a step, whose own derivative
-    # is zero, so Eq. 3's gradient in x needs a smooth one: sigmoid(alpha z) in the backward only.
-    net = models.with_smooth_relu(model, cfg.alpha).eval()  # a copy, for Step 1 only
+    net = models.with_smooth_relu(model, cfg.alpha).eval()  # a copy for Step 1: smooth backward, eval mode (part 1)
     params = {k: v.detach() for k, v in net.named_parameters()}
     x, lam = (v.to(device) for v in random_start(len(labels), old_tasks[0].x_train.shape[1:], cfg.sigma_x, cfg.seed))
     fixed = torch.zeros(len(labels), dtype=torch.bool, device=device)
@@ -284,17 +375,15 @@ def step2(task, x_rec, y_rec, cfg, n_old_classes):
     return batches, loss, clean
 
 
-def run_continual(cfg, tasks, log=print, judge=None, search=None):
-    """Train one model through all tasks, with ReCL unless cfg.variant is "base"; its record.
-    `judge(old_tasks, x, y)` reports on a reconstruction (judging.py), which training never sees;
-    `search(reconstruct_with, old_tasks, cfg, log)` picks one by Sec. 4.3's search."""
+def run_continual(cfg, tasks, log=print, mean_image=None, judge=False, image_path=None):
+    """Train one model through all tasks, with its replay variant unless cfg.variant is "base"; its record.
+    `judge`: score each reconstruction against the real old images (part 4), which training never sees."""
     if cfg.method == "joint":  # the upper bound: no stream of tasks
         return run_jointly(cfg, tasks, log)
-    search = search or judging.search_reconstruction
     started = time.time()
     torch.manual_seed(cfg.seed)  # the same init and shuffles for every variant
     tasks = [data.Task(t.classes, *(v.to(cfg.device) for v in t[1:])) for t in tasks]
-    per_task, name = len(tasks[0].classes), config.variant_name(cfg.method, cfg.variant, cfg.budget)
+    per_task, name = len(tasks[0].classes), variant_name(cfg.method, cfg.variant, cfg.budget)
     model = models.build_model(cfg.model, tasks[0].x_train.shape[1:], per_task).to(cfg.device)
     hooks, state = strategies.STRATEGIES[cfg.method]["hooks"], strategies.new_state(cfg.method, **cfg.hp)
     R, reconstructions, quality, last, diverged = [[None] * len(tasks) for _ in tasks], [], [], None, None
@@ -309,14 +398,14 @@ def run_continual(cfg, tasks, log=print, judge=None, search=None):
             elif cfg.tuning in (None, "naive"):
                 x_rec, y_rec, lam, report = step1(model, tasks[:t], cfg, last, log)
             else:  # Sec. 4.3: several reconstructions, the best by a score
-                x_rec, y_rec, lam, report = search(lambda c: step1(model, tasks[:t], c, last, log), tasks[:t], cfg, log)
+                x_rec, y_rec, lam, report = search_reconstruction(model, tasks[:t], cfg, last, log, mean_image)
             last = (x_rec, y_rec, lam)  # whole, before the filter: for departure 2
             if cfg.filter:  # departure 3: drop those the model (of the old classes) files under another class
                 keep = classified_as_labelled(model, x_rec, y_rec)
                 x_rec, y_rec = x_rec[keep], y_rec[keep]
             reconstructions.append(noted(report, t, len(x_rec), start, name, log))
             if judge and len(x_rec):
-                quality.append(judge(tasks[:t], x_rec, y_rec))
+                quality.append(report_reconstruction(name, tasks[:t], x_rec, y_rec, cfg, mean_image, image_path, log))
         if cfg.scenario == "cil":
             models.grow_head(model, per_task * (t + 1))
         batches, loss_of, clean = step2(task, x_rec, y_rec, cfg, per_task * t if cfg.scenario == "cil" else 0)
@@ -324,7 +413,7 @@ def run_continual(cfg, tasks, log=print, judge=None, search=None):
             loss = train_task(model, batches, loss_of, torch.optim.SGD(model.parameters(), lr=cfg.lr), cfg.epochs,
                               hooks, state)
         except Diverged as err:  # the record says so and has no ACC or BWT to average
-            diverged = f"{err} of task {t + 1}"
+            diverged = f"{err} of task {t + 1} (lr {cfg.lr:g})"
             log(f"  [{name}] task {t + 1}: diverged, {err}")
             break
         # Batch norm (ResNet18) evaluates with running statistics that a task's few dozen steps barely move
@@ -338,6 +427,8 @@ def run_continual(cfg, tasks, log=print, judge=None, search=None):
         R[t][:t + 1] = [accuracy(model, old.x_test, old.y_test) for old in tasks[:t + 1]]
         log(f"  [{name}] task {t + 1}/{len(tasks)} classes {task.classes}: loss {loss:.3f}, "
             f"acc {' '.join(f'{a:.1f}' for a in R[t][:t + 1])}")
+    if diverged is None and reconstructions and all(r["failed"] for r in reconstructions):
+        diverged = "every reconstruction failed (the reconstruction settings; see each one's \"failed\")"
     acc, bwt = acc_and_bwt(R) if diverged is None else (None, None)
     record = record_of(cfg, R, acc, bwt, diverged, reconstructions, quality, started)
     held = 0 if last is None else len(last[0].unique(dim=0)) if cfg.variant == "centroids" else len(last[0])
@@ -361,7 +452,7 @@ def run_jointly(cfg, tasks, log=print):
         acc = sum(row) / len(row)
         log(f"  [joint] all {len(tasks)} tasks at once: loss {loss:.3f}, acc {' '.join(f'{a:.1f}' for a in row)}")
     except Diverged as err:
-        diverged = str(err)
+        diverged = f"{err} (lr {cfg.lr:g})"
         log(f"  [joint] diverged, {err}")
     return record_of(cfg, [row], acc, None, diverged, [], [], started)
 
@@ -494,10 +585,411 @@ def stored_images(task, m, centroids, seed):
     return torch.cat(xs), torch.cat(ys)
 
 
-# ==== 4. Records, and the command line ===============================================================================
+
+# ==== 4. Judging a reconstruction, and Sec. 4.3's search =============================================================
+# Reporting only: training never sees these real images. App. D.5: (1) standardise both sets and match each real image
+# to its nearest candidate by L2; (2) add the training mean image back, stretch each image to [0, 1]; (3) SSIM of each
+# pair (Haim et al. 2022: above 0.4 is recovered). In (2) the paper adds the mean to the *standardised* candidates, so
+# even exact copies score well below 1; here they first take the real set's mean image and spread.
+
+def ssim(a, b, window=11, sigma=1.5):
+    """Mean SSIM (Wang et al. 2004) of each image pair in [0, 1]; Gaussian window, valid borders."""
+    channels, size = a.shape[1], min(window, a.shape[-2], a.shape[-1])
+    g = torch.exp(-(torch.arange(size, dtype=a.dtype, device=a.device) - (size - 1) / 2) ** 2 / (2 * sigma ** 2))
+    kernel = (torch.outer(g, g) / g.sum() ** 2).expand(channels, 1, size, size)
+    blur = lambda t: F.conv2d(t, kernel, groups=channels)
+    mu_a, mu_b = blur(a), blur(b)
+    var_a, var_b, cov = blur(a * a) - mu_a ** 2, blur(b * b) - mu_b ** 2, blur(a * b) - mu_a * mu_b
+    c1, c2 = 0.01 ** 2, 0.03 ** 2
+    index = (2 * mu_a * mu_b + c1) * (2 * cov + c2) / ((mu_a ** 2 + mu_b ** 2 + c1) * (var_a + var_b + c2))
+    return index.flatten(1).mean(1)
+
+
+def standardise(images):
+    """Each image minus the set's mean image, divided by the set's spread around it."""
+    centred = images - images.mean(0)
+    return centred / centred.std().clamp_min(1e-12)
+
+
+def as_picture(x, mean_image):
+    """Undo the mean subtraction and stretch each image to [0, 1]."""
+    x = x + mean_image
+    low, high = (m.view(-1, *[1] * (x.dim() - 1)) for m in x.flatten(1).aminmax(dim=1))
+    return (x - low) / (high - low).clamp_min(1e-12)
+
+
+def reconstruction_quality(reference, candidates, mean_image):
+    """SSIM of every reference image with its nearest candidate, and those candidates, on the reference's scale."""
+    nearest = torch.cdist(standardise(reference).flatten(1), standardise(candidates).flatten(1)).argmin(1)
+    shown = (standardise(candidates) * (reference - reference.mean(0)).std() + reference.mean(0))[nearest]
+    return ssim(as_picture(reference, mean_image), as_picture(shown, mean_image)), shown
+
+
+def report_reconstruction(name, old_tasks, x_rec, y_rec, cfg, mean_image, image_path=None, log=print):
+    """SSIM of the old real images with their nearest reconstructions, beside a floor (the random candidates they
+    started from) and a ceiling (held-out real images of the old classes: look-alikes, not copies); and the
+    memorisation gap: a reconstruction's nearest SSIM to n of the old training images less that to n held-out ones.
+    Positive, it read those samples; about 0, what the class shares (a prototype). With `image_path` (RUN.json),
+    RUN-taskT.png shows real images over their nearest reconstructions, RUN-taskT.pt holds the candidates."""
+    real, held_out = torch.cat([t.x_train for t in old_tasks]), torch.cat([t.x_test for t in old_tasks])
+    mean_image = mean_image.to(real.device)
+    start = torch.randn(len(x_rec), *real.shape[1:], generator=torch.Generator().manual_seed(cfg.seed)) * (
+        cfg.sigma_x or 0.0)  # recl.random_start's draw (the stored arms start from none)
+    pick = torch.randperm(len(held_out), generator=torch.Generator().manual_seed(cfg.seed))[:len(x_rec)]
+    (found, shown), (floor, _) = (reconstruction_quality(real, c, mean_image) for c in (x_rec, start.to(real.device)))
+    ceiling, _ = reconstruction_quality(real, held_out[pick.to(held_out.device)], mean_image)
+    q = {"task": len(old_tasks) + 1}
+    for prefix, scores in (("", found), ("init_", floor), ("real_", ceiling)):
+        q[prefix + "mean_ssim"], q[prefix + "frac_ssim_above_0_4"] = scores.mean().item(), (scores > 0.4).float().mean().item()
+    n, gen = min(len(real), len(held_out)), torch.Generator().manual_seed(cfg.seed)
+    own, unseen = (s[torch.randperm(len(s), generator=gen)[:n].to(s.device)] for s in (real, held_out))
+    q["ssim_to_training"], q["ssim_to_held_out"] = (reconstruction_quality(x_rec, s, mean_image)[0].mean().item()
+                                                    for s in (own, unseen))
+    q["memorisation_gap"] = q["ssim_to_training"] - q["ssim_to_held_out"]
+    log(f"  [{name}] task {q['task']}: SSIM to nearest real image {q['mean_ssim']:.3f} (random candidates "
+        f"{q['init_mean_ssim']:.3f}, held-out real {q['real_mean_ssim']:.3f}), {100 * q['frac_ssim_above_0_4']:.0f}% "
+        f"above 0.4")
+    if image_path is not None and min(real.shape[-2:]) > 1:  # images, not vectors
+        from torchvision.utils import save_image
+        path = Path(image_path).with_name(f"{Path(image_path).stem}-task{q['task']}.png")
+        pick = torch.linspace(0, len(real) - 1, min(32, len(real))).long()  # spread over the old classes
+        rows = [p for pair in zip(as_picture(real[pick], mean_image).split(16),
+                                  as_picture(shown[pick], mean_image).split(16)) for p in pair]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_image(torch.cat(rows).cpu(), path, nrow=16, padding=1, pad_value=1.0)
+        torch.save({"x": x_rec.cpu(), "pixels": (x_rec + mean_image).clamp(0, 1).cpu(), "labels": y_rec.cpu()},
+                   path.with_suffix(".pt"))
+        log(f"  [{name}] task {q['task']}: images in {path} and {path.with_suffix('.pt')}")
+    return q
+
+
+# Sec. 4.3: naive takes the run's own values. unsup: a random search before each task, keeping the trial with the
+# lowest final L_full; sup: scored by SSIM to a few stored real old images. Trial 1 is the run's own values; each other
+# draw is log-uniform within a factor of them, where App. B.3 gives fixed ranges (docs/departures.md).
+SEARCH_SPACE = {"sigma_x": 10.0, "lr_x": 10.0, "lr_lambda": 10.0, "lambda_min": 3.0, "alpha": 3.0}
+
+
+def search_reconstruction(model, old_tasks, cfg, last=None, log=print, mean_image=None):
+    """Step 1 `cfg.trials` times with drawn values; the reconstruction scored highest (ties: the earlier)."""
+    seed = cfg.seed * 100 + len(old_tasks)  # the search's own draws, new before each task
+    if cfg.tuning == "unsup":  # the lowest final L_full; needs no old data
+        score = lambda x, report: -report["kept_loss"]
+    else:  # sup: SSIM against a tenth of each old task's real images
+        draws = torch.Generator().manual_seed(seed)
+        few = lambda n: torch.randperm(n, generator=draws)[:max(1, round(0.1 * n))]
+        buffer = torch.cat([t.x_train[few(len(t.x_train))] for t in old_tasks])
+        mean = torch.zeros(buffer.shape[1:]) if mean_image is None else mean_image
+        score = lambda x, report: reconstruction_quality(buffer, x, mean.to(x.device))[0].mean().item()
+    gen = torch.Generator().manual_seed(seed)
+    own = {k: getattr(cfg, k) for k in SEARCH_SPACE if getattr(cfg, k) is not None}
+    trials = [own] + [{k: v * SEARCH_SPACE[k] ** (2 * torch.rand(1, generator=gen).item() - 1) for k, v in own.items()}
+                      for _ in range(cfg.trials - 1)]
+    best = None
+    for i, hp in enumerate(trials):
+        x, y, lam, report = step1(model, old_tasks, dataclasses.replace(cfg, **hp), last, log)
+        useless = not math.isfinite(report["kept_loss"]) or report["kept_loss"] >= report["first_loss"]
+        value = -math.inf if useless else score(x, report)
+        ranked = value if math.isfinite(value) else -math.inf
+        log(f"    trial {i + 1}/{cfg.trials}: " + " ".join(f"{k} {v:.3g}" for k, v in hp.items())
+            + f" -> score {value:.4g}")
+        if best is None or ranked > best[0]:
+            best = (ranked, (x, y, lam, {**report, "hyperparameters": hp, "score": value}))
+    return best[1]
+
+
+# ==== 5. The command line: a run's values, the checks, the records ====================================================
+
+def resolve(args, seed, variant):
+    """One run's Config from the command line's `args` (None: not given), looked up in a fixed order, each source over
+    those before: Config's defaults, the network's (NETWORKS, replay variants), the method's at the run's budget
+    (strategies.TUNED, ARMS), --paper's (PAPER), the control's (CONTROL, STORED), the flags given. Then the values that
+    depend on others, each a named `retune` line that never overrides a flag."""
+    given = {k: v for k, v in vars(args).items() if v is not None and k in FIELDS and k not in ("seed", "variant", "hp")
+             and not (variant == "base" and k in RECL_FIELDS and k != "budget")}
+    given.update(dict(args.hp))
+    if variant == "base" and given.get("budget") == "alone":
+        del given["budget"]  # the method alone trains at its own budget anyway
+    if given.get("n_per_class") == "all":
+        given["n_per_class"] = None  # every training image
+    method, scenario, model, replay = args.method, args.scenario, args.model, variant != "base"
+    paper = replay and bool(given.get("paper"))
+    tuned = replay and not paper  # a replay variant with the values tuned here, not the paper's
+    network = NETWORKS[model][scenario] if tuned else {}
+    # a flag's budget, else the method's own for the method alone and under --paper, else the network's or +ReCL's
+    budget = given.get("budget", network.get("budget", "recl") if tuned else "alone")
+    own, arms = strategies.TUNED[scenario].get(method, {}), strategies.ARMS  # a method not tuned yet: Config's
+    arm = {**arms.get((scenario, method), {}), **arms.get((scenario, method, variant), {})} if tuned else {}
+    sources = {"default": {**DEFAULTS, **strategies.defaults(method), "seed": seed, "variant": variant},
+               "network": network,
+               "method": {**own.get("alone", {}), **own.get(budget, {}), **arm},
+               "paper": PAPER if paper else {},
+               "control": {"inversion": CONTROL, "real": STORED, "centroids": STORED}.get(variant, {}),
+               "flag": given}
+    values = {k: v for changes in sources.values() for k, v in changes.items()}
+    set_by = {k: source for source, changes in sources.items() if source != "default" for k in changes
+              if k not in ("dataset", "scenario", "method", "model")}  # what runs, always known
+
+    def retune(source, **changes):  # never a flag's value, nor one the run does not use
+        for k in (k for k in changes if k not in given and values[k] is not None):
+            values[k], set_by[k] = changes[k], source
+    if not replay:  # the method alone takes no replay value (its --budget recl is at the end)
+        values.update({k: None for k in RECL_FIELDS if k not in given})
+    # the candidates' step size follows what they fit and how, under --paper too (departures.md, 1 and 6)
+    if variant == "inversion":
+        retune("steps", lr_x=0.3 if scenario == "dil" else 0.003)
+    if variant == "recl" and values["rec_target"] == "weights":
+        retune("steps", lr_x=1.0)
+    if values["rec_optimizer"] == "adam":
+        retune("steps", lr_x=1e-3 if model == "resnet18" else 0.01, lr_lambda=0.01)
+    # the CNN trains gently in DIL, for every method: Eq. 3 can then read it (networks.md, "The CNN's budget in DIL")
+    if model == "cnn" and scenario == "dil" and tuned and budget == "recl":
+        retune("network", lr=0.01, epochs=40)
+    if values["tuning"] in ("unsup", "sup") and values["trials"] is None:
+        values["trials"] = 10  # the search's default
+    if replay:
+        values["m"] = values["m"] or values["n_per_class"] or 100
+    values["hp"] = {k: values.pop(k) for k in strategies.defaults(method)}
+    values["set_by"], values["paper"] = set_by, paper  # the method alone is the same run with --paper or without
+    if values["device"] == "auto":
+        values["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    if variant == "base" and values["budget"] == "recl":  # the method alone, trained exactly as its +ReCL run trains
+        recl = resolve(args, seed, "recl")
+        values.update(lr=recl.lr, epochs=recl.epochs, hp=recl.hp,
+                      ce_scope="new" if recl.ce_scope == "local" else recl.ce_scope)  # local needs replayed rows
+        values["set_by"].update({k: "budget" for k in ("lr", "epochs", "ce_scope", *recl.hp)})
+    return Config(**values)
+
+
+def variants(args):
+    """The variants a command runs: the method alone and its replay arm (+ReCL, or what --replay-source names)."""
+    if args.method == "joint":
+        return ["base"]
+    recl = SOURCES[args.replay_source or "eq3"]
+    return {None: ["base", recl], "both": ["base", recl], "base": ["base"], "recl": [recl]}[args.variant]
+
+
+class UsageError(Exception):  # bad input, printed as one line
+    pass
+
+
+class Parser(argparse.ArgumentParser):  # whole flag names only (--ou is not --out), errors in one line
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def error(self, message):
+        raise UsageError(message)
+
+
+def method_hyperparameter(text):
+    key, sep, value = text.partition("=")
+    try:
+        return key, float(value) if sep else None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=NUMBER") from None
+
+
+def make_parser(prog="recl.py"):
+    """One flag per Config field, each defaulting to None ("not given"), and the few that are not settings."""
+    p = Parser(prog=prog, description="Train a continual-learning method alone and with ReCL on a stream of tasks; one "
+               "JSON file per run. Defaults: Config's, then NETWORKS, strategies.TUNED; a flag given wins.")
+    for f in (f for f in dataclasses.fields(Config) if f.metadata.get("flag")):
+        kind = f.metadata["kind"] or type(f.default)
+        kwargs = ({"action": "store_true" if f.name in ("validation", "paper") else argparse.BooleanOptionalAction}
+                  if kind is bool else {"type": kind, "choices": f.metadata["choices"]})
+        known = f.name in ("scenario", "method", "model", "dataset", "seed")  # what runs is always known
+        p.add_argument(f"--{f.name.replace('_', '-')}", help=f"{f.metadata['help']} (default: {f.default})",
+                       default=f.default if known else None, **kwargs)
+    p.add_argument("--variant", choices=["both", "base", "recl"], help="the method alone, its replay arm, or both")
+    p.add_argument("--replay-source", choices=list(SOURCES), help="what the replay arm replays: candidates fitted to "
+                   "Eq. 3-6 (eq3, +ReCL), by model inversion (the control), m real training images per old class "
+                   "(real: the ceiling) or each old class's mean image (centroids: the floor) (default: eq3)")
+    p.add_argument("--hp", type=method_hyperparameter, action="append", default=[], metavar="KEY=VALUE",
+                   help="a method's own hyperparameter, e.g. --hp ewc_lambda=1000 (default: strategies.TUNED's)")
+    p.add_argument("--seeds", type=int, help="number of seeds (default: 1)")
+    p.add_argument("--save-images", action="store_true", default=None,
+                   help="per task, a PNG of real images over their nearest reconstructions, and a .pt of them")
+    p.add_argument("--out", default="results", help="folder for one JSON file per run (default: results)")
+    p.add_argument("--quiet", action="store_true", help="print only one line per finished run")
+    p.add_argument("--skip-done", action="store_true", help="skip a run whose result file exists")
+    p.add_argument("--dry-run", action="store_true", help="check, then print this command if a run of it is left")
+    return p
+
+
+RECL_FLAGS = [k for k in RECL_FIELDS if k != "budget"] + ["paper", "replay_source", "save_images"]
+first_given = lambda a, names: next((f"--{k.replace('_', '-')}" for k in names if getattr(a, k, None) is not None), 0)
+
+
+def combinations(a):
+    """What no field can say alone: (refused when, why), for the runs asked for. Most refuse a flag no run uses."""
+    stored, alone = [*STORED, "paper"], "joint has none" if a.method == "joint" else "--variant base runs it alone"
+    return [
+        (a.seed + (a.seeds or 1) > 2 ** 31, f"--seed plus --seeds must stay below {2 ** 31}"),
+        (a.seeds is not None and not 0 < a.seeds <= 1000, f"--seeds must be from 1 to 1000, got {a.seeds}"),
+        (not str(a.out).strip(), "--out is empty; it must name a folder"),
+        (a.scenario == "dil" and a.classes_per_task == 1, "--classes-per-task 1 in DIL gives every task one label"),
+        (a.method == "joint" and a.variant not in (None, "base"), "--variant: joint has nothing to reconstruct"),
+        ((a.method == "joint" or a.variant == "base") and first_given(a, RECL_FLAGS),
+         f"{first_given(a, RECL_FLAGS)} applies to the replay arm only; {alone}"),
+        (a.replay_source == "inversion" and first_given(a, CONTROL),
+         f"{first_given(a, CONTROL)} is part of Eq. 3-6, which the inversion control does not use"),
+        (a.replay_source in ("real", "centroids") and first_given(a, stored),
+         f"{first_given(a, stored)}: --replay-source {a.replay_source} stores images and reconstructs nothing"),
+        (a.budget is not None and a.method == "joint", "--budget: joint trains on all tasks at once, at its own"),
+        (a.ce_scope == "local" and a.variant != "recl", "--ce-scope local needs replayed rows: add --variant recl"),
+        (a.ce_scope is not None and (a.scenario == "dil" or a.method == "joint"),
+         "--ce-scope applies to class-incremental training after the first task"),
+        (a.trials is not None and a.tuning in (None, "naive"), "--trials needs --tuning unsup or sup"),
+        (a.dataset not in data.DATASETS and not a.dataset.endswith(".pt"),
+         f"--dataset must be one of {', '.join(data.DATASETS)} or a .pt file, got {a.dataset!r}"),
+        (a.data_root is not None and (a.dataset == "mnist" or a.dataset.endswith(".pt")),
+         f"--data-root: {a.dataset} is not read from a data folder"),
+        (a.device == "cuda" and not torch.cuda.is_available(), "--device cuda: no CUDA device is available"),
+    ]
+
+
+def check(args, probe_out=True):
+    """Refuse, in one line, what makes no sense or would do nothing, before any work starts; args.hp becomes a dict."""
+    for f in dataclasses.fields(Config):  # each number a flag gives, within its field's range
+        value, meta, flag = getattr(args, f.name, None), f.metadata, f"--{f.name.replace('_', '-')}"
+        if value is None or isinstance(value, str) or not meta or meta["choices"]:
+            continue
+        if not math.isfinite(value):
+            raise UsageError(f"{flag} must be a finite number, got {value}")
+        for bound, bad, sign in (("above", lambda b: not value > b, ">"), ("low", lambda b: not value >= b, ">="),
+                                 ("high", lambda b: value > b, "<=")):
+            if meta[bound] is not None and bad(meta[bound]):
+                raise UsageError(f"{flag} must be {sign} {meta[bound]:g}, got {value:g}")
+    for refused, why in combinations(args):
+        if refused:
+            raise UsageError(why)
+    args.hp = strategies.check_hyperparameters(args.method, args.hp, UsageError)
+    if probe_out:
+        check_writable(args.out)
+
+
+def check_writable(folder):
+    """The results folder, or the nearest one above it that exists, takes a file (nothing is made here)."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"--out {folder} is a file; it must name a folder")
+    there = next(p for p in (folder.absolute(), *folder.absolute().parents) if p.exists())
+    try:
+        probe = there / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise UsageError(f"--out {folder}: cannot write results there ({err.strerror or err})") from None
+
+
+def check_tasks(tasks, cfg):
+    """Before the first task trains: a network that takes the images, the memory Step 1 will fill (about, in GiB:
+    4 copies of every layer's outputs per candidate in one pass, docs/cost.md), and images for every class."""
+    shape = tasks[0].x_train.shape[1:]
+    try:
+        net = models.build_model(cfg.model, shape, len(tasks[0].classes))
+    except ValueError as err:
+        raise UsageError(f"--model {cfg.model}: {err}") from None
+    if cfg.variant not in ("base", "real", "centroids"):
+        sizes = []  # the numbers each layer outputs for one image
+        for layer in (m for m in net.modules() if not list(m.children())):
+            layer.register_forward_hook(lambda m, i, out: sizes.append(out.numel()))
+        with torch.no_grad():
+            net.eval()(torch.zeros(1, *shape))
+        n = cfg.m * len(tasks[0].classes) * (len(tasks) - 1)  # candidates before the last task
+        need = 4 * n * (shape.numel() + 4 * sum(sizes)) / 2 ** 30
+        have = (torch.cuda.mem_get_info()[0] if cfg.device == "cuda"
+                else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / 2 ** 30
+        if need > have:
+            raise UsageError(f"--m {cfg.m}: {n:,} candidates need about {need:,.1f} GiB, more than the {have:,.1f} "
+                             f"GiB of {cfg.device} memory")
+    for t, task in enumerate(tasks):
+        for label, c in enumerate(task.classes):
+            own = label if cfg.scenario == "dil" else label + t * len(task.classes)
+            for name, y in (("training", task.y_train), ("validation" if cfg.validation else "test", task.y_test)):
+                if not (y == own).any():
+                    raise UsageError(f"{cfg.dataset}: class {c} of task {t + 1} has no {name} images" + (
+                        " left: --validation holds out a fifth; give a larger --n-per-class" if cfg.validation else ""))
+
+
+def make_tasks(cfg):
+    """The run's tasks (its validation split with --validation), class order, mean image, classes left out."""
+    tasks, *rest = data.make_tasks(cfg.dataset, cfg.seed, cfg.n_per_class, cfg.scenario, cfg.classes_per_task,
+                                   cfg.data_root)
+    return data.validation_split(tasks, 0.2, cfg.seed) if cfg.validation else tasks, *rest
+
+
+NOT_IN_DIGEST = ("seed", "device", "data_root", "set_by")  # where it ran does not define a run
+
+
+def digest(cfg):
+    """Eight hex digits that change with any setting of the run but its seed; a .pt counts by its contents."""
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_IN_DIGEST}
+    if cfg.dataset.endswith(".pt") and Path(cfg.dataset).is_file():
+        settings["dataset"] = f"sha256:{file_sha256(cfg.dataset)}"
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
+
+
+file_sha256 = functools.cache(lambda path: hashlib.sha256(Path(path).read_bytes()).hexdigest())
+
+
+def variant_name(method, variant, budget=None):
+    """finetune, finetune+recl, finetune+inversion, ...; the method alone at +ReCL's budget: finetune@recl-budget."""
+    return method + ("@recl-budget" if budget == "recl" else "") if variant == "base" else f"{method}+{variant}"
+
+
+def run_name(cfg):
+    return (f"{Path(cfg.dataset).stem if cfg.dataset.endswith('.pt') else cfg.dataset}-{cfg.scenario}-"
+            f"{variant_name(cfg.method, cfg.variant, cfg.budget)}" + ("" if cfg.tuning in (None, "naive") else
+                                                                     f"-{cfg.tuning}") + "-validation" * cfg.validation)
+
+
+def result_path(out, cfg):
+    """out/NAME-DIGEST-seedS.json: one file per config and seed."""
+    return Path(out) / f"{run_name(cfg)}-{digest(cfg)}-seed{cfg.seed}.json"
+
+
+def describe(cfg):
+    """A run's header: what it is, each value it uses under the one word that says where it came from (`resolve`),
+    and the digest that names its file."""
+    text = (f"{variant_name(cfg.method, cfg.variant, cfg.budget)} | {cfg.scenario} | {cfg.dataset}"
+            f"{' (validation split)' if cfg.validation else ''} | {cfg.model} | seed {cfg.seed} | {cfg.device} | "
+            f"{cfg.n_per_class or 'all'} per class, {cfg.classes_per_task} per task")
+    settings = {"lr": cfg.lr, "epochs": cfg.epochs, "batch_size": cfg.batch_size, "ce_scope": cfg.ce_scope, **cfg.hp,
+                **{k: getattr(cfg, k) for k in RECL_FIELDS if getattr(cfg, k) is not None}}
+    by = {s: [f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in settings.items()
+              if cfg.set_by.get(k, "default") == s]
+          for s in ("default", "network", "method", "paper", "control", "steps", "budget", "flag")}
+    return text + "".join(f" | {s}: {', '.join(kv)}" for s, kv in by.items() if kv) + f" | config {digest(cfg)}"
+
+
+@functools.cache  # once per process: the code it loaded, whatever is committed while it runs
+def provenance():
+    """What made a result, beyond its config: code version, library, machine."""
+    git = lambda *a: subprocess.run(["git", *a], cwd=Path(__file__).resolve().parent, capture_output=True, text=True,
+                                    timeout=10).stdout.strip()
+    try:
+        commit = git("rev-parse", "--short", "HEAD") or None
+        dirty = bool(commit) and bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = None, False
+    return {"commit": commit, "uncommitted_changes": dirty, "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "threads": torch.get_num_threads(), "python": sys.version.split()[0]}
+
+
+def write_json_atomically(path, record):
+    """Write to a temporary name, then rename: a killed run never leaves half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record, separators=(",", ":")))
+    os.replace(tmp, path)
+
 
 class Diverged(Exception):  # a non-finite training loss: the run's numbers would be meaningless
     pass
+
 
 
 def reconstruction_report(losses, best, first_terms):
@@ -536,50 +1028,68 @@ def record_of(cfg, R, acc, bwt, diverged, reconstructions, quality, started):
 
 
 def main(argv=None):
-    """Flags, checked -> a Config per seed and variant, all checked -> run_continual -> a JSON each."""
-    args = config.make_parser().parse_args(argv)
-    config.provenance()  # the code this process loaded, named now
-    config.check(args)
+    """Flags, checked -> a Config per seed and variant, all checked -> run_continual -> a JSON file each."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = make_parser().parse_args(argv)
+    provenance()  # the code this process loaded, named now
+    check(args)
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
-    # per seed, the method alone and its replay variant (+ReCL, or the arm --replay-source names); --variant picks one
-    runs = [config.resolve(args, seed, variant) for seed in range(args.seed, args.seed + (args.seeds or 1))
-            for variant in config.variants(args)]
+    runs = [resolve(args, seed, variant) for seed in range(args.seed, args.seed + (args.seeds or 1))
+            for variant in variants(args)]
+    if args.dry_run:  # run_all.sh's list (or a cluster's): this command, if a run of it has no result file yet
+        if not all(result_path(args.out, cfg).exists() for cfg in runs):
+            print(shlex.join([os.environ.get("PYTHON", "python"), "recl.py", *(a for a in argv if a != "--dry-run")]))
+        return
     loaded = None
     for cfg in runs:  # every run checked before any task trains
         if loaded is None or loaded[0] != cfg.seed:
-            loaded = (cfg.seed, *config.make_tasks(cfg))
+            loaded = (cfg.seed, *make_tasks(cfg))
             if loaded[4]:
                 print(f"note: seed {cfg.seed} leaves out class(es) {loaded[4]}: they fill no whole task", flush=True)
-        config.check_tasks(loaded[1], cfg)
+        check_tasks(loaded[1], cfg)
     failed = []
     for cfg in runs:
-        name, path = config.variant_name(cfg.method, cfg.variant, cfg.budget), config.result_path(args.out, cfg)
+        name, path = variant_name(cfg.method, cfg.variant, cfg.budget), result_path(args.out, cfg)
         if args.skip_done and path.exists():
             print(f"{name} {cfg.scenario} seed {cfg.seed}: done before, skipped -> {path}", flush=True)
             continue
         if loaded is None or loaded[0] != cfg.seed:
-            loaded = (cfg.seed, *config.make_tasks(cfg))
+            loaded = (cfg.seed, *make_tasks(cfg))
         _, tasks, class_order, mean_image, left_out = loaded
-        log(f"{config.describe(cfg)} | class order {class_order}")
-        images = path if args.save_images else None  # the images are named like the JSON
-        judge = lambda old, x, y: judging.report_reconstruction(name, old, x, cfg, mean_image, images, log, y)
-        search = lambda with_cfg, old, c, log: judging.search_reconstruction(with_cfg, old, c, log, mean_image)
-        record = run_continual(cfg, tasks, log, judge, search)
-        record.update(dataset=config.dataset_name(cfg.dataset), class_order=class_order, classes_left_out=left_out,
-                      config=dataclasses.asdict(cfg), digest=config.digest(cfg), provenance=config.provenance(),
-                      **({"dataset_sha256": config.file_sha256(cfg.dataset)} if cfg.dataset.endswith(".pt") else {}))
-        config.write_json_atomically(path, record)
+        log(f"{describe(cfg)} | class order {class_order}")
+        record = run_continual(cfg, tasks, log, mean_image, judge=True, image_path=path if args.save_images else None)
+        record.update(dataset=Path(cfg.dataset).stem if cfg.dataset.endswith(".pt") else cfg.dataset,
+                      class_order=class_order, classes_left_out=left_out, config=dataclasses.asdict(cfg),
+                      digest=digest(cfg), provenance=provenance(),
+                      **({"dataset_sha256": file_sha256(cfg.dataset)} if cfg.dataset.endswith(".pt") else {}))
+        write_json_atomically(path, record)
         if record["diverged"]:
-            failed.append(f"{name} {cfg.scenario} seed {cfg.seed} diverged: {record['diverged']} (lr {cfg.lr:g}); "
-                          f"marked so in {path}, never averaged")
+            failed.append(f"{name} {cfg.scenario} seed {cfg.seed}: {record['diverged']}; marked so in {path}, "
+                          f"never averaged")
             continue
         bwt, flagged = "n/a" if record["BWT"] is None else f"{record['BWT']:.2f}", record["failed_reconstructions"]
         print(f"{name} {cfg.scenario} seed {cfg.seed}: ACC {record['ACC']:.2f} BWT {bwt} in {record['seconds']:.0f}s"
               + (f", {flagged} of {len(record['reconstructions'])} reconstructions FLAGGED (see the "
                  f"{'JSON' if args.quiet else 'log'})" if flagged else "") + f" -> {path}", flush=True)
     if failed:
-        raise config.RunFailed("; ".join(failed))
+        raise RunFailed("; ".join(failed))
+
+
+class RunFailed(Exception):  # a run diverged: no usable numbers, printed as one line
+    pass
+
+
+def run_from_command_line(main, program):
+    """Run `main`; the errors a user can cause end in one line and a non-zero exit."""
+    try:
+        main()
+    except (UsageError, RunFailed, data.DataError) as err:
+        sys.exit(f"{program}: error: {err}")
+    except torch.OutOfMemoryError:
+        sys.exit(f"{program}: error: out of memory; lower --m, --replay-batch or --batch-size")
+    except KeyboardInterrupt:
+        sys.exit(f"{program}: interrupted; finished runs are saved, rerun to redo the rest")
 
 
 if __name__ == "__main__":
-    config.run_from_command_line(main, "recl.py")
+    run_from_command_line(main, "recl.py")

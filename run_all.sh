@@ -1,46 +1,76 @@
 #!/usr/bin/env bash
-# The full results table: every method alone (base), alone at +ReCL's budget (budget), with ReCL
-# (recl), with the inversion control (inversion), with m real old images (real, the ceiling) and with
-# class centroids (centroids, the floor), and the joint upper bound, in CIL and DIL, over 5 seeds.
+# The full results table: every method alone (base), alone at +ReCL's budget (budget), with ReCL (recl), with the
+# inversion control (inversion), with m real old images (real, the ceiling) and with class centroids (centroids, the
+# floor), and the joint upper bound, in CIL and DIL, over 5 seeds; then RESULTS/table.md.
 #
-#   bash run_all.sh [recl.py flags]         every run, JOBS at a time, then RESULTS/table.md
+#   bash run_all.sh [recl.py flags]         every run, JOBS at a time; your flags go to every run
 #   QUICK=1 bash run_all.sh                 1 seed, 5 epochs, 20 steps: a smoke test, its numbers mean nothing
-#   JOBS=2 METHODS="finetune gpm" bash run_all.sh --epochs 30    your flags go to every run that takes them
+#   VARIANTS=recl bash run_all.sh --m 50    a flag of the replay arms needs VARIANTS without base and budget
 #
-# Knobs: DATASETS (mnist; or fashion-mnist cifar10, or your .pt files),
-#   SCENARIOS (cil dil), METHODS (all), VARIANTS (base budget recl inversion real centroids: the method
-#   alone, alone at +ReCL's budget, +ReCL, and the inversion, real-image and centroid arms), SEEDS (5),
-#   FIRST_SEED (0: seeds FIRST_SEED .. FIRST_SEED+SEEDS-1), JOBS (1, or one per
-#   GPU in DEVICES), DEVICES ("0 1": the workers take the GPUs in turn), RESULTS (results, or
-#   results/FLAGS for other flags), DATA_ROOT (data), QUICK, DRY_RUN, PYTHON (python).
-# Every run is checked before any starts: one line and exit 2 for a bad knob or flag.
-# Resumable: a run writes its JSON atomically, named by its config's digest, and the list holds
-# only the runs without one, so an interrupted run_all.sh loses at most the runs in flight.
-# DRY_RUN=1 prints that list, one command per line, for xargs, GNU parallel or a SLURM array
-# (docs/running.md). A run that fails is named in one line; the others go on, exit 1.
-# A sweep is a loop:  for m in 10 25 50; do RESULTS=results/m-$m bash run_all.sh --m $m; done
-# The methods' validation search: python tools/tune.py --method ewc --scenario cil (docs/hyperparameters.md).
+# Knobs: DATASETS (mnist; fashion-mnist, cifar10, your .pt files), SCENARIOS (cil dil), METHODS (all), VARIANTS
+# (base budget recl inversion real centroids), SEEDS (5), FIRST_SEED (0), JOBS (1, or one per GPU in DEVICES),
+# DEVICES ("0 1": the workers take the GPUs in turn), RESULTS (results/FLAGS), DATA_ROOT (data), QUICK, DRY_RUN,
+# PYTHON (python). Every run is checked before any starts (`recl.py --dry-run`): one line and exit 2 for a bad knob
+# or flag. Resumable: each run writes its JSON atomically, named by its config's digest, and the list holds only
+# the runs without one. DRY_RUN=1 prints that list, one command per line, for xargs or a cluster (docs/running.md).
+# A sweep is a loop:  for m in 10 25 50; do RESULTS=results/m-$m VARIANTS=recl bash run_all.sh --m $m; done
 set -euo pipefail
-if [[ " $* " == *" -h "* || " $* " == *" --help "* ]]; then
-  sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'
-  exit 0
-fi
-PYTHON=${PYTHON:-python}
-here=$(cd "$(dirname "$0")" && pwd)
-plan=$("$PYTHON" "$here/tools/plan.py" "$@") || exit 2  # from your folder: your paths are read there
-results=$(head -n 1 <<< "$plan") todo=$(tail -n +2 <<< "$plan")
-if [ "${DRY_RUN:-0}" = 1 ]; then
-  [ -z "$todo" ] || printf '%s\n' "$todo"
-  exit 0
-fi
-cd "$here"
+if [[ " $* " == *" -h "* || " $* " == *" --help "* ]]; then sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0; fi
+fail() { echo "run_all: error: $*" >&2; exit 2; }
+words() { local name=$1 allowed=$2 w out=(); for w in ${!name}; do  # the knob's words, each once, each allowed
+  [[ " $allowed " == *" $w "* || -z $allowed ]] || fail "$name: $w is not one of: $allowed"
+  [[ " ${out[*]-} " == *" $w "* ]] || out+=("$w"); done
+  [ ${#out[@]} -gt 0 ] || fail "$name is empty"; echo "${out[@]}"; }
+PYTHON=${PYTHON:-python} QUICK=${QUICK:-0} DRY_RUN=${DRY_RUN:-0}
+[[ $QUICK =~ ^[01]$ && $DRY_RUN =~ ^[01]$ ]] || fail "QUICK and DRY_RUN are 0 or 1"
+METHODS=${METHODS-$("$PYTHON" -c 'import strategies; print(*strategies.STRATEGIES)')} SCENARIOS=${SCENARIOS-cil dil} DATASETS=${DATASETS-mnist}
+VARIANTS=${VARIANTS-base budget recl inversion real centroids}
+methods=$(words METHODS "") scenarios=$(words SCENARIOS "cil dil")
+variants=$(words VARIANTS "base budget recl inversion real centroids") datasets=$(words DATASETS "")
+SEEDS=${SEEDS:-$([ "$QUICK" = 1 ] && echo 1 || echo 5)} FIRST_SEED=${FIRST_SEED:-0}
+[[ $SEEDS =~ ^[1-9][0-9]{0,2}$ && $FIRST_SEED =~ ^[0-9]{1,9}$ ]] || fail "SEEDS is 1-999 and FIRST_SEED a whole number"
 read -r -a devices <<< "${DEVICES:-}"
+[[ ${DEVICES:-0} =~ ^[0-9\ ]+$ ]] || fail "DEVICES lists GPU numbers, like \"0 1\""
 JOBS=${JOBS:-$(( ${#devices[@]} > 1 ? ${#devices[@]} : 1 ))}
+[[ $JOBS =~ ^[1-9][0-9]{0,2}$ ]] || fail "JOBS is a whole number from 1"
+name=$( (((QUICK)) && echo quick; printf '%s\n' "$@") | sed 's/^--//' | paste -sd_ | sed 's/[^A-Za-z0-9.=_-]/_/g')
+RESULTS=${RESULTS-results${name:+/$name}}
+[ -n "$RESULTS" ] || fail "RESULTS is empty; it must name a folder"
+RESULTS=$(realpath -m -- "$RESULTS") DATA_ROOT=$(realpath -m -- "${DATA_ROOT:-data}")  # your paths, from your folder
+quick=() steps=()  # QUICK's, where no flag of yours says
+(( QUICK )) && [[ " $* " != *" --epochs "* ]] && quick=(--epochs 5)
+(( QUICK )) && [[ " $* " != *" --n-rec "* ]] && steps=(--n-rec 20)
+declare -A flags=([base]="--variant base" [budget]="--variant base --budget recl" [recl]="--variant recl"
+  [inversion]="--variant recl --replay-source inversion" [real]="--variant recl --replay-source real"
+  [centroids]="--variant recl --replay-source centroids")
+lines=()
+for d in $datasets; do [[ $d != *.pt ]] || d=$(realpath -m -- "$d"); for s in $scenarios; do for m in $methods; do for v in $variants; do
+  [ "$m" = joint ] && { [ "$v" = base ] || continue; }
+  for ((seed = FIRST_SEED; seed < FIRST_SEED + SEEDS; seed++)); do
+    line=(--dataset "$d" --scenario "$s" --method "$m" ${flags[$v]} --seed "$seed" --out "$RESULTS" --quiet --skip-done)
+    [[ $d == mnist || $d == *.pt ]] || line+=(--data-root "$DATA_ROOT")
+    [[ $v == recl || $v == inversion ]] && line+=("${steps[@]}")
+    [ ${#devices[@]} -gt 0 ] && line+=(--device cuda)
+    lines+=("$(printf '%q ' "${line[@]}" "${quick[@]}" "$@")"); done
+done; done; done; done
+[ ${#lines[@]} -gt 0 ] || fail "no run: joint runs only with VARIANTS base"
+cd "$(dirname "$0")" && export PYTHON
+# one process checks every line (a refusal names its line) and keeps those with a run left
+todo=$(printf '%s\n' "${lines[@]}" | "$PYTHON" -c '
+import shlex, sys, recl
+def plan():
+    for line in sys.stdin:
+        try:
+            recl.main(shlex.split(line) + ["--dry-run"])
+        except recl.UsageError as err:
+            raise recl.UsageError(f"{err} (nothing was run; refused: {line.strip()})")
+recl.run_from_command_line(plan, "run_all")') || exit 2
+echo "run_all: $(grep -c . <<< "$todo" || true) runs to do in $RESULTS/ with $JOBS job(s)" >&2
+if [ "$DRY_RUN" = 1 ]; then [ -z "$todo" ] || printf '%s\n' "$todo"; exit 0; fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / JOBS > 0 ? $(nproc) / JOBS : 1 ))}  # yours wins
 export DEVICES; start=$(date +%s) failed=0
 if [ -n "$todo" ]; then
   set -m  # the runs in a process group of their own, which a signal to run_all stops whole
-  # xargs runs JOBS lines at a time; worker SLOT takes GPU DEVICES[SLOT mod n], if any are listed
   printf '%s\n' "$todo" | xargs -d '\n' -P "$JOBS" --process-slot-var=SLOT -I{} bash -c '
     read -r -a gpus <<< "$DEVICES"
     [ ${#gpus[@]} -eq 0 ] || export CUDA_VISIBLE_DEVICES=${gpus[$((SLOT % ${#gpus[@]}))]}
@@ -49,5 +79,5 @@ if [ -n "$todo" ]; then
   wait $! || failed=1
 fi
 echo "run_all: finished in $(( $(date +%s) - start ))s" >&2
-"$PYTHON" tools/aggregate.py "$results" | tee "$results/table.md"
+mkdir -p "$RESULTS" && "$PYTHON" tools/aggregate.py "$RESULTS" | tee "$RESULTS/table.md"
 [ "$failed" = 0 ] || { echo "run_all: runs named FAILED above failed; the table holds the others" >&2; exit 1; }
