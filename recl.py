@@ -457,14 +457,13 @@ def run_jointly(cfg, tasks, log=print):
     return record_of(cfg, [row], acc, None, diverged, [], [], started)
 
 
-# ==== 3. The departures from the paper, and the inversion control ====================================================
-# Each: what the paper does, what we do, why. docs/departures.md has the numbers under the
-# same number (the gaps are levers that lost). `--paper` switches every one off.
+# ==== 3. The departures from the paper, and the controls =============================================================
+# Each: what the paper does, what we do, why; docs/departures.md has the numbers under the same number (the gaps are
+# levers that lost, and have no code). `--paper` switches every one off.
 
-# Departure 1, displacement target (`--rec-target displacement`).
-# Paper: Eq. 3 fits theta. Here: theta - theta_0, what training added, relative to its size.
-# Why: Eq. 3 holds after long training; after minutes the random start theta_0 still
-# dominates theta, and no candidate explains it.
+# Departure 1, displacement target (`--rec-target displacement`). Paper: Eq. 3 fits theta. Here: theta - theta_0, what
+# training added, relative to its size. Why: Eq. 3 holds after long training; after minutes the random start theta_0
+# still dominates theta, and no candidate explains it.
 def displacement_target(params, model):
     start = models.start_weights(model)
     if start is None:
@@ -474,10 +473,9 @@ def displacement_target(params, model):
     return displacement, 1.0 / sum(v.pow(2).sum() for v in displacement.values()).clamp_min(1e-30)
 
 
-# Departure 2, freeze old (`--freeze-old`).
-# Paper: every candidate starts from noise before every task. Here: the slots of a class
-# reconstructed before keep those candidates and lambdas, fixed; the other slots start from noise.
-# Why: reading a class again from a model trained on its reconstructions compounds errors.
+# Departure 2, freeze old (`--freeze-old`). Paper: every candidate starts from noise before every task. Here: the
+# slots of a class read before keep those candidates and lambdas, fixed. Why: reading a class again from a model
+# trained on its reconstructions compounds errors.
 def keep_earlier(labels, x, lam, earlier_x, earlier_labels, earlier_lam):
     """Fill the first slots of each class read before with its earlier candidates; which are fixed."""
     fixed = torch.zeros(len(labels), dtype=torch.bool, device=labels.device)
@@ -494,18 +492,16 @@ def less_share_of(net, params, target, x, labels, lam, n):
     return {k: target[k] - share[k] for k in target}
 
 
-# Departure 3, filter (`--filter`).
-# Paper: every reconstruction is replayed. Here: those the model files under another class
-# are dropped. Why: they would teach the wrong boundary (App. D.5 suggests filtering).
+# Departure 3, filter (`--filter`). Paper: every reconstruction is replayed. Here: those the model files under another
+# class are dropped. Why: they would teach the wrong boundary (App. D.5 suggests filtering).
 @torch.no_grad()
 def classified_as_labelled(model, x, y):
     return model.eval()(x).argmax(1) == y
 
 
-# Departure 4, replay noise (`--replay-noise`).
-# Paper: reconstructions are replayed as they are. Here: each time one enters a batch it gets
-# fresh noise N(0, s^2), s = replay_noise times the task's pixel std.
-# Why: the network then files a neighbourhood under the old class, not a prototype.
+# Departure 4, replay noise (`--replay-noise`). Paper: reconstructions are replayed as they are. Here: each time one
+# enters a batch it gets fresh noise N(0, s^2), s = replay_noise times the task's pixel std. Why: the network then
+# files a neighbourhood under the old class, not a prototype.
 def with_noise(batches, std, device, seed):
     gen = torch.Generator(device=device).manual_seed(seed)
     if std <= 0:
@@ -515,26 +511,23 @@ def with_noise(batches, std, device, seed):
                     for xb, yb, replayed in batches())
 
 
-# Departure 5, inversion term (`--ce-weight`).
-# Paper: Eq. 6 alone. Here: plus ce_weight times the candidates' summed cross-entropy.
-# Why: in CIL, Eq. 3 alone loses to model inversion; a little of it draws level.
+# Departure 5, inversion term (`--ce-weight`). Paper: Eq. 6 alone. Here: plus ce_weight times the candidates' summed
+# cross-entropy. Why: in CIL, Eq. 3 alone loses to model inversion; a little of it draws level.
 def plus_inversion_term(L_full, net, params, labels, weight):
     return lambda x, lam: {**L_full(x, lam), "ce": weight * F.cross_entropy(functional_call(net, params, (x,)),
                                                                             labels, reduction="sum")}
 
 
-# Departure 6, Adam (`--rec-optimizer adam`).
-# Paper: SGD (part 1: with momentum). Here: Adam with DeepInversion's betas.
-# Why: on deep nets SGD's step follows a gradient whose size spans orders of magnitude.
+# Departure 6, Adam (`--rec-optimizer adam`). Paper: SGD (with momentum, part 1). Here: Adam with DeepInversion's
+# betas. Why: on deep nets SGD's step follows a gradient whose size spans orders of magnitude.
 def adam(tensor, lr):
     return torch.optim.Adam([tensor], lr=lr, betas=(0.5, 0.9))
 
 
-# Departure 8, local cross-entropy (`--ce-scope new` or `local`, CIL).
-# Paper: every row is scored over every class. Here, "new": the task's own rows over its new
-# classes only; "local": the replayed rows over the old classes only too, and old against new
-# learned by the head alone on features it cannot change (Always Be Dreaming's split).
-# Why: the task's images then never push the old classes' logits down.
+# Departure 8, local cross-entropy (`--ce-scope new` or `local`, CIL). Paper: every row is scored over every class.
+# Here, "new": the task's own rows over its new classes only; "local": the replayed rows over the old classes only too,
+# and old against new learned by the head alone on features it cannot change (Always Be Dreaming's split). Why: the
+# task's images then never push the old classes' logits down.
 def scoped_cross_entropy(model, xb, yb, replayed, n_old_classes, scope):
     seen = []  # with "local": what the head takes in, the features
     hook = model.head.register_forward_hook(lambda layer, inputs, out: seen.append(inputs[0]))
@@ -549,10 +542,9 @@ def scoped_cross_entropy(model, xb, yb, replayed, n_old_classes, scope):
     return logits, F.cross_entropy(grouped, yb) + F.cross_entropy(model.head(seen[0].detach()), yb)
 
 
-# Departure 9, replay batch (`--replay-batch N`).
-# Paper: the reconstructions join the task's data. Here: an epoch passes over the task's own
-# images and each batch gets N reconstructions drawn at random.
-# Why: the share of replay in a batch and an epoch's cost then stay fixed from task to task.
+# Departure 9, replay batch (`--replay-batch N`). Paper: the reconstructions join the task's data. Here: an epoch
+# passes over the task's own images and each batch gets N reconstructions drawn at random. Why: the share of replay
+# in a batch and an epoch's cost then stay fixed from task to task.
 def replay_in_every_batch(x, own, batch_size, n, seed):
     gen = torch.Generator(device=x.device).manual_seed(seed + 1)
     loader = data.loader(torch.arange(own, device=x.device), torch.zeros(own), batch_size, seed=seed)
@@ -560,21 +552,19 @@ def replay_in_every_batch(x, own, batch_size, n, seed):
                     for rows, _ in loader)
 
 
-# The inversion control (`--replay-source inversion`, the +inversion variant): is it Eq. 3
-# that makes the candidates useful, or would any optimisation that makes the model recognise
-# them as their labels do? Model inversion (Simonyan et al. 2014) asks only the second:
-# L_inv = sum_i CE(f(x_i), y_i) + L_prior, over the same candidates, labels, optimiser, steps,
-# filter and replay; no lambdas, no stationarity condition.
+# The inversion control (`--replay-source inversion`): is it Eq. 3 that makes the candidates useful, or would any
+# optimisation that makes the model recognise them as their labels do? Model inversion (Simonyan et al. 2014) asks
+# only the second: L_inv = sum_i CE(f(x_i), y_i) + L_prior, with the same candidates, optimiser, steps, filter and
+# replay; no lambdas, no stationarity condition.
 def inversion_loss(net, params, labels):
     return lambda x, lam: {"ce": F.cross_entropy(functional_call(net, params, (x,)), labels, reduction="sum"),
                            "prior": image_prior(x)}
 
 
-# The stored controls (`--replay-source real` or `centroids`): where is the ceiling of any replay
-# in this pipeline, and what would a memory of class statistics give? `real` keeps m of each
-# class's own training images (a buffer as large as the reconstruction), `centroids` each class's
-# mean image in the same m slots, which fresh replay noise (departure 4) spreads. Both are kept
-# once their task is learned and go through the same filter, replay and training as +ReCL.
+# The stored controls (`--replay-source real` or `centroids`): where is the ceiling of any replay here, and what
+# would a memory of class statistics give? `real` keeps m of each class's own training images (a buffer as large as
+# the reconstruction), `centroids` each class's mean image in the same m slots, which replay noise spreads. Both go
+# through the same filter, replay and training as +ReCL.
 def stored_images(task, m, centroids, seed):
     gen, xs, ys = torch.Generator().manual_seed(seed), [], []
     for c in task.y_train.unique():

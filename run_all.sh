@@ -33,7 +33,9 @@ read -r -a devices <<< "${DEVICES:-}"
 [[ ${DEVICES:-0} =~ ^[0-9\ ]+$ ]] || fail "DEVICES lists GPU numbers, like \"0 1\""
 JOBS=${JOBS:-$(( ${#devices[@]} > 1 ? ${#devices[@]} : 1 ))}
 [[ $JOBS =~ ^[1-9][0-9]{0,2}$ ]] || fail "JOBS is a whole number from 1"
-name=$( (((QUICK)) && echo quick; printf '%s\n' "$@") | sed 's/^--//' | paste -sd_ | sed 's/[^A-Za-z0-9.=_-]/_/g')
+for a in "$@"; do case ${a%%=*} in --seed|--seeds|--method|--scenario|--dataset|--variant|--replay-source|--budget|\
+  --out|--data-root|--device|--quiet|--skip-done|--dry-run) fail "${a%%=*} is run_all's to set per run: use its knobs";; esac; done
+name=$( ( ((QUICK)) && echo quick; [ $# = 0 ] || printf '%s\n' "$@") | sed 's/^--//' | paste -sd_ | sed 's/[^A-Za-z0-9._-]/_/g')
 RESULTS=${RESULTS-results${name:+/$name}}
 [ -n "$RESULTS" ] || fail "RESULTS is empty; it must name a folder"
 RESULTS=$(realpath -m -- "$RESULTS") DATA_ROOT=$(realpath -m -- "${DATA_ROOT:-data}")  # your paths, from your folder
