@@ -54,7 +54,8 @@ def setting(default, help, low=None, high=None, above=None, choices=None, kind=N
                                                             choices=choices, kind=kind, flag=flag))
 
 
-per_class = lambda text: text if text == "all" else int(text)  # --n-per-class
+def per_class(text):  # --n-per-class
+    return text if text == "all" else int(text)
 COUNT = dict(above=0, high=100_000)  # far beyond any study here, far short of forever
 
 
@@ -527,7 +528,7 @@ def adam(tensor, lr):
 # Departure 8, local cross-entropy (`--ce-scope new` or `local`, CIL). Paper: every row is scored over every class.
 # Here, "new": the task's own rows over its new classes only; "local": the replayed rows over the old classes only too,
 # and old against new learned by the head alone on features it cannot change (Always Be Dreaming's split). Why: the
-# task's images then never push the old classes' logits down.
+# task's images then never push the old classes' logits down through the features ("new": not at all).
 def scoped_cross_entropy(model, xb, yb, replayed, n_old_classes, scope):
     seen = []  # with "local": what the head takes in, the features
     hook = model.head.register_forward_hook(lambda layer, inputs, out: seen.append(inputs[0]))
@@ -608,11 +609,26 @@ def as_picture(x, mean_image):
     return (x - low) / (high - low).clamp_min(1e-12)
 
 
+def on_reference_scale(candidates, reference):
+    """Standardised candidates with the reference set's mean image and spread."""
+    return standardise(candidates) * (reference - reference.mean(0)).std() + reference.mean(0)
+
+
 def reconstruction_quality(reference, candidates, mean_image):
-    """SSIM of every reference image with its nearest candidate, and those candidates, on the reference's scale."""
+    """SSIM of every reference image with its nearest candidate (L2, each set standardised), and which that is."""
     nearest = torch.cdist(standardise(reference).flatten(1), standardise(candidates).flatten(1)).argmin(1)
-    shown = (standardise(candidates) * (reference - reference.mean(0)).std() + reference.mean(0))[nearest]
-    return ssim(as_picture(reference, mean_image), as_picture(shown, mean_image)), shown
+    shown = on_reference_scale(candidates, reference)[nearest]
+    return ssim(as_picture(reference, mean_image), as_picture(shown, mean_image)), nearest
+
+
+def save_pairs(path, reference, candidates, nearest, mean_image, n=32):
+    """A PNG of rows of real images, each row over their nearest candidates."""
+    from torchvision.utils import save_image
+    pick = torch.linspace(0, len(reference) - 1, min(n, len(reference))).long()  # spread over the classes
+    real = as_picture(reference[pick], mean_image)
+    found = as_picture(on_reference_scale(candidates, reference)[nearest[pick]], mean_image)
+    rows = [t for pair in zip(real.split(16), found.split(16)) for t in pair]
+    save_image(torch.cat(rows).cpu(), path, nrow=16, padding=1, pad_value=1.0)
 
 
 def report_reconstruction(name, old_tasks, x_rec, y_rec, cfg, mean_image, image_path=None, log=print):
@@ -626,11 +642,12 @@ def report_reconstruction(name, old_tasks, x_rec, y_rec, cfg, mean_image, image_
     start = torch.randn(len(x_rec), *real.shape[1:], generator=torch.Generator().manual_seed(cfg.seed)) * (
         cfg.sigma_x or 0.0)  # recl.random_start's draw (the stored arms start from none)
     pick = torch.randperm(len(held_out), generator=torch.Generator().manual_seed(cfg.seed))[:len(x_rec)]
-    (found, shown), (floor, _) = (reconstruction_quality(real, c, mean_image) for c in (x_rec, start.to(real.device)))
+    (found, nearest), (floor, _) = (reconstruction_quality(real, c, mean_image) for c in (x_rec, start.to(real.device)))
     ceiling, _ = reconstruction_quality(real, held_out[pick.to(held_out.device)], mean_image)
     q = {"task": len(old_tasks) + 1}
     for prefix, scores in (("", found), ("init_", floor), ("real_", ceiling)):
-        q[prefix + "mean_ssim"], q[prefix + "frac_ssim_above_0_4"] = scores.mean().item(), (scores > 0.4).float().mean().item()
+        q[prefix + "mean_ssim"] = scores.mean().item()
+        q[prefix + "frac_ssim_above_0_4"] = (scores > 0.4).float().mean().item()
     n, gen = min(len(real), len(held_out)), torch.Generator().manual_seed(cfg.seed)
     own, unseen = (s[torch.randperm(len(s), generator=gen)[:n].to(s.device)] for s in (real, held_out))
     q["ssim_to_training"], q["ssim_to_held_out"] = (reconstruction_quality(x_rec, s, mean_image)[0].mean().item()
@@ -640,13 +657,9 @@ def report_reconstruction(name, old_tasks, x_rec, y_rec, cfg, mean_image, image_
         f"{q['init_mean_ssim']:.3f}, held-out real {q['real_mean_ssim']:.3f}), {100 * q['frac_ssim_above_0_4']:.0f}% "
         f"above 0.4")
     if image_path is not None and min(real.shape[-2:]) > 1:  # images, not vectors
-        from torchvision.utils import save_image
         path = Path(image_path).with_name(f"{Path(image_path).stem}-task{q['task']}.png")
-        pick = torch.linspace(0, len(real) - 1, min(32, len(real))).long()  # spread over the old classes
-        rows = [p for pair in zip(as_picture(real[pick], mean_image).split(16),
-                                  as_picture(shown[pick], mean_image).split(16)) for p in pair]
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_image(torch.cat(rows).cpu(), path, nrow=16, padding=1, pad_value=1.0)
+        save_pairs(path, real, x_rec, nearest, mean_image)
         torch.save({"x": x_rec.cpu(), "pixels": (x_rec + mean_image).clamp(0, 1).cpu(), "labels": y_rec.cpu()},
                    path.with_suffix(".pt"))
         log(f"  [{name}] task {q['task']}: images in {path} and {path.with_suffix('.pt')}")
@@ -746,7 +759,7 @@ def resolve(args, seed, variant):
         recl = resolve(args, seed, "recl")
         values.update(lr=recl.lr, epochs=recl.epochs, hp=recl.hp,
                       ce_scope="new" if recl.ce_scope == "local" else recl.ce_scope)  # local needs replayed rows
-        values["set_by"].update({k: "budget" for k in ("lr", "epochs", "ce_scope", *recl.hp)})
+        values["set_by"].update({k: "budget" for k in ("lr", "epochs", "ce_scope", *recl.hp) if k not in given})
     return Config(**values)
 
 
@@ -903,9 +916,14 @@ def check_tasks(tasks, cfg):
 
 def make_tasks(cfg):
     """The run's tasks (its validation split with --validation), class order, mean image, classes left out."""
-    tasks, *rest = data.make_tasks(cfg.dataset, cfg.seed, cfg.n_per_class, cfg.scenario, cfg.classes_per_task,
-                                   cfg.data_root)
-    return data.validation_split(tasks, 0.2, cfg.seed) if cfg.validation else tasks, *rest
+    return tasks_of(cfg.dataset, cfg.seed, cfg.n_per_class, cfg.scenario, cfg.classes_per_task, cfg.data_root,
+                    cfg.validation)
+
+
+@functools.lru_cache(maxsize=2)  # the variants of a seed, and run_all's list, load the data once
+def tasks_of(dataset, seed, n_per_class, scenario, classes_per_task, data_root, validation):
+    tasks, *rest = data.make_tasks(dataset, seed, n_per_class, scenario, classes_per_task, data_root)
+    return data.validation_split(tasks, 0.2, seed) if validation else tasks, *rest
 
 
 NOT_IN_DIGEST = ("seed", "device", "data_root", "set_by")  # where it ran does not define a run
@@ -1026,26 +1044,22 @@ def main(argv=None):
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
     runs = [resolve(args, seed, variant) for seed in range(args.seed, args.seed + (args.seeds or 1))
             for variant in variants(args)]
+    for cfg in runs:  # every run checked before any task trains
+        tasks, class_order, mean_image, left_out = make_tasks(cfg)
+        check_tasks(tasks, cfg)
+        if left_out and not args.dry_run:
+            print(f"note: seed {cfg.seed} leaves out class(es) {left_out}: they fill no whole task", flush=True)
     if args.dry_run:  # run_all.sh's list (or a cluster's): this command, if a run of it has no result file yet
         if not all(result_path(args.out, cfg).exists() for cfg in runs):
             print(shlex.join([os.environ.get("PYTHON", "python"), "recl.py", *(a for a in argv if a != "--dry-run")]))
         return
-    loaded = None
-    for cfg in runs:  # every run checked before any task trains
-        if loaded is None or loaded[0] != cfg.seed:
-            loaded = (cfg.seed, *make_tasks(cfg))
-            if loaded[4]:
-                print(f"note: seed {cfg.seed} leaves out class(es) {loaded[4]}: they fill no whole task", flush=True)
-        check_tasks(loaded[1], cfg)
     failed = []
     for cfg in runs:
         name, path = variant_name(cfg.method, cfg.variant, cfg.budget), result_path(args.out, cfg)
         if args.skip_done and path.exists():
             print(f"{name} {cfg.scenario} seed {cfg.seed}: done before, skipped -> {path}", flush=True)
             continue
-        if loaded is None or loaded[0] != cfg.seed:
-            loaded = (cfg.seed, *make_tasks(cfg))
-        _, tasks, class_order, mean_image, left_out = loaded
+        tasks, class_order, mean_image, left_out = make_tasks(cfg)
         log(f"{describe(cfg)} | class order {class_order}")
         record = run_continual(cfg, tasks, log, mean_image, judge=True, image_path=path if args.save_images else None)
         record.update(dataset=Path(cfg.dataset).stem if cfg.dataset.endswith(".pt") else cfg.dataset,

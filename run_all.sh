@@ -46,15 +46,15 @@ declare -A flags=([base]="--variant base" [budget]="--variant base --budget recl
   [inversion]="--variant recl --replay-source inversion" [real]="--variant recl --replay-source real"
   [centroids]="--variant recl --replay-source centroids")
 lines=()
-for d in $datasets; do [[ $d != *.pt ]] || d=$(realpath -m -- "$d"); for s in $scenarios; do for m in $methods; do for v in $variants; do
-  [ "$m" = joint ] && { [ "$v" = base ] || continue; }
-  for ((seed = FIRST_SEED; seed < FIRST_SEED + SEEDS; seed++)); do
+for d in $datasets; do [[ $d != *.pt ]] || d=$(realpath -m -- "$d")
+  for ((seed = FIRST_SEED; seed < FIRST_SEED + SEEDS; seed++)); do for s in $scenarios; do for m in $methods; do
+    for v in $variants; do [ "$m" != joint ] || [ "$v" = base ] || continue  # seed first: its data loads once
     line=(--dataset "$d" --scenario "$s" --method "$m" ${flags[$v]} --seed "$seed" --out "$RESULTS" --quiet --skip-done)
     [[ $d == mnist || $d == *.pt ]] || line+=(--data-root "$DATA_ROOT")
     [[ $v == recl || $v == inversion ]] && line+=("${steps[@]}")
     [ ${#devices[@]} -gt 0 ] && line+=(--device cuda)
-    lines+=("$(printf '%q ' "${line[@]}" "${quick[@]}" "$@")"); done
-done; done; done; done
+    lines+=("$(printf '%q ' "${line[@]}" "${quick[@]}" "$@")")
+done; done; done; done; done
 [ ${#lines[@]} -gt 0 ] || fail "no run: joint runs only with VARIANTS base"
 cd "$(dirname "$0")" && export PYTHON
 # one process checks every line (a refusal names its line) and keeps those with a run left
@@ -64,7 +64,7 @@ def plan():
     for line in sys.stdin:
         try:
             recl.main(shlex.split(line) + ["--dry-run"])
-        except recl.UsageError as err:
+        except (recl.UsageError, recl.data.DataError) as err:
             raise recl.UsageError(f"{err} (nothing was run; refused: {line.strip()})")
 recl.run_from_command_line(plan, "run_all")') || exit 2
 echo "run_all: $(grep -c . <<< "$todo" || true) runs to do in $RESULTS/ with $JOBS job(s)" >&2

@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules, from any folder
 import data, models, recl  # noqa: E401, E402
-import judging
+
 
 HIDDEN, TRAIN_LR = 500, 0.1  # 784-500-500-2: the paper's MLP, narrower than its 1000 for speed; plain gradient descent
 # Eq. 3-6: Haim et al.'s 2 candidates per image and MNIST alpha 150; lr_x 1; sigma_x, lr_lambda, lambda_min: recl.py's
@@ -70,7 +70,7 @@ def demonstrate(per_digit, train_steps, rec_steps, seed, log=print):
     # 4. Each training image's SSIM with its nearest candidate (App. D.5); above 0.4 it counts as recovered.
     r = {"x": x, "mean_image": mean_image}
     for name, (candidates, left) in found.items():
-        ssim, nearest = judging.reconstruction_quality(x, candidates, mean_image)
+        ssim, nearest = recl.reconstruction_quality(x, candidates, mean_image)
         r[name] = {"mean_ssim": ssim.mean().item(), "recovered": (ssim > RECOVERED).float().mean().item(),
                    "nearest": nearest, "candidates": candidates, "left": left}
     return r
@@ -87,7 +87,7 @@ if __name__ == "__main__":
     torch.set_num_threads(1)  # small matrices: as fast, and the same numbers on every run
     r = demonstrate(**FULL, seed=args.seed, log=lambda *a: print(*a, flush=True))
     t, u, h, n = r["trained"], r["untrained"], r["held_out"], len(r["held_out"]["candidates"])
-    judging.save_pairs(args.out, r["x"], t["candidates"], t["nearest"], r["mean_image"])  # 5. the PNG
+    recl.save_pairs(args.out, r["x"], t["candidates"], t["nearest"], r["mean_image"])  # 5. the PNG
     line = lambda s: f"{s['recovered']:.0%} recovered, mean SSIM {s['mean_ssim']:.2f}"
     print(f"trained network:      {line(t)} ({len(r['x'])} training images, SSIM > {RECOVERED} with the nearest of {n} "
           f"candidates; first layer {1 - t['left']['fc1.weight']:.0%} explained by Eq. 3)")
