@@ -1,9 +1,14 @@
-"""Data for continual learning: images as tensors in memory, split into tasks. The offline default is SplitMNIST from
-`data/mnist_5k.csv.gz`, real MNIST images shipped with the project; others come from their usual on-disk formats under
-a data root (downloaded there when online), or from a `.pt` file (`load_tensor_file`)."""
+"""Data for continual learning: images as tensors in memory, split into tasks; and the files a run writes. The
+offline default is SplitMNIST from `data/mnist_5k.csv.gz`, real MNIST images shipped with the project; others come
+from their usual on-disk formats under a data root, or from a `.pt` file (`load_tensor_file`)."""
+import functools
 import gzip
 import hashlib
+import json
+import os
 import pickle
+import subprocess
+import sys
 from collections import namedtuple
 from pathlib import Path
 
@@ -198,3 +203,44 @@ def validation_split(tasks, fraction=0.2, seed=0):
 def loader(x, y, batch_size, shuffle=True, seed=0):  # a seeded generator of its own: a seed repeats the batch order
     dataset, generator = torch.utils.data.TensorDataset(x, y), torch.Generator().manual_seed(seed)
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=generator)
+
+
+# --- The files a run writes ---
+
+def check_writable(folder):
+    """The results folder, or the nearest one above it that exists, takes a file (nothing is made here)."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise DataError(f"--out {folder} is a file; it must name a folder")
+    there = next(p for p in (folder.absolute(), *folder.absolute().parents) if p.exists())
+    try:
+        probe = there / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise DataError(f"--out {folder}: cannot write results there ({err.strerror or err})") from None
+
+
+@functools.cache  # once per process: the code it loaded, whatever is committed while it runs
+def provenance():
+    """What made a result, beyond its config: code version, library, machine."""
+    git = lambda *a: subprocess.run(["git", *a], cwd=Path(__file__).resolve().parent, capture_output=True, text=True,
+                                    timeout=10).stdout.strip()
+    try:
+        commit = git("rev-parse", "--short", "HEAD") or None
+        dirty = bool(commit) and bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = None, False
+    return {"commit": commit, "uncommitted_changes": dirty, "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "threads": torch.get_num_threads(), "python": sys.version.split()[0]}
+
+
+def write_json_atomically(path, record):
+    """Write to a temporary name, then rename: a killed run never leaves half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record, separators=(",", ":")))
+    os.replace(tmp, path)

@@ -867,21 +867,7 @@ def check(args, probe_out=True):
             raise UsageError(why)
     args.hp = strategies.check_hyperparameters(args.method, args.hp, UsageError)
     if probe_out:
-        check_writable(args.out)
-
-
-def check_writable(folder):
-    """The results folder, or the nearest one above it that exists, takes a file (nothing is made here)."""
-    folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        raise UsageError(f"--out {folder} is a file; it must name a folder")
-    there = next(p for p in (folder.absolute(), *folder.absolute().parents) if p.exists())
-    try:
-        probe = there / f".write-test-{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as err:
-        raise UsageError(f"--out {folder}: cannot write results there ({err.strerror or err})") from None
+        data.check_writable(args.out)
 
 
 def check_tasks(tasks, cfg):
@@ -970,31 +956,6 @@ def describe(cfg):
     return text + "".join(f" | {s}: {', '.join(kv)}" for s, kv in by.items() if kv) + f" | config {digest(cfg)}"
 
 
-@functools.cache  # once per process: the code it loaded, whatever is committed while it runs
-def provenance():
-    """What made a result, beyond its config: code version, library, machine."""
-    git = lambda *a: subprocess.run(["git", *a], cwd=Path(__file__).resolve().parent, capture_output=True, text=True,
-                                    timeout=10).stdout.strip()
-    try:
-        commit = git("rev-parse", "--short", "HEAD") or None
-        dirty = bool(commit) and bool(git("status", "--porcelain", "--untracked-files=no"))
-    except (OSError, subprocess.SubprocessError):
-        commit, dirty = None, False
-    return {"commit": commit, "uncommitted_changes": dirty, "torch": torch.__version__,
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            "threads": torch.get_num_threads(), "python": sys.version.split()[0]}
-
-
-def write_json_atomically(path, record):
-    """Write to a temporary name, then rename: a killed run never leaves half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record, separators=(",", ":")))
-    os.replace(tmp, path)
-
-
 class Diverged(Exception):  # a non-finite training loss: the run's numbers would be meaningless
     pass
 
@@ -1039,7 +1000,7 @@ def main(argv=None):
     """Flags, checked -> a Config per seed and variant, all checked -> run_continual -> a JSON file each."""
     argv = sys.argv[1:] if argv is None else argv
     args = make_parser().parse_args(argv)
-    provenance()  # the code this process loaded, named now
+    data.provenance()  # the code this process loaded, named now
     check(args)
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
     runs = [resolve(args, seed, variant) for seed in range(args.seed, args.seed + (args.seeds or 1))
@@ -1064,9 +1025,9 @@ def main(argv=None):
         record = run_continual(cfg, tasks, log, mean_image, judge=True, image_path=path if args.save_images else None)
         record.update(dataset=Path(cfg.dataset).stem if cfg.dataset.endswith(".pt") else cfg.dataset,
                       class_order=class_order, classes_left_out=left_out, config=dataclasses.asdict(cfg),
-                      digest=digest(cfg), provenance=provenance(),
+                      digest=digest(cfg), provenance=data.provenance(),
                       **({"dataset_sha256": file_sha256(cfg.dataset)} if cfg.dataset.endswith(".pt") else {}))
-        write_json_atomically(path, record)
+        data.write_json_atomically(path, record)
         if record["diverged"]:
             failed.append(f"{name} {cfg.scenario} seed {cfg.seed}: {record['diverged']}; marked so in {path}, "
                           f"never averaged")

@@ -530,7 +530,7 @@ def test_a_dry_run_prints_its_command_only_while_a_run_of_it_is_left(tmp_path, m
         recl.main(argv + ["--dry-run"])
         printed.append(capsys.readouterr().out)
         if variant:
-            recl.write_json_atomically(recl.result_path(tmp_path, resolved(*argv, variant=variant)), {})
+            data.write_json_atomically(recl.result_path(tmp_path, resolved(*argv, variant=variant)), {})
     assert printed == [shlex.join(["py", "recl.py", *argv]) + "\n"] * 2 + [""]
 
 def test_a_pt_dataset_counts_by_its_contents_so_a_copy_is_the_same_run(tmp_path):
