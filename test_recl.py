@@ -461,45 +461,6 @@ def test_the_header_names_where_each_resolved_value_came_from_in_one_word():
                  "| method: lr 0.1, epochs 20, ewc_lambda 100 |", "| steps: lr_lambda 0.01 |", "| flag: lr_x 0.5 |"):
         assert part in header
 
-def test_every_default_resolves_as_the_dump_made_before_the_restructuring():
-    """docs/runs/defaults-3bb579d.json: 1,088 command lines, each config or refusal. On purpose since: --paper
-    --rec-optimizer adam on ResNet18 takes ResNet18's Adam step; departure 11 (backtrack) is gone; the CNN's replay
-    arms train at lr 0.01 for 40 epochs in DIL; --rec-objective is now --replay-source; the 176 refusals of
-    --n-per-class all on mnist are resolved now (data.make_tasks refuses them, before training)."""
-    dump, differ, all_images = json.loads((HERE / "docs/runs/defaults-3bb579d.json").read_text()), [], 0
-    for line, before in dump.items():
-        argv = line.replace("--rec-objective", "--replay-source").split()
-        variant = "inversion" if "inversion" in argv else "base" if "base" in argv or "joint" in argv else "recl"
-        try:
-            now = dataclasses.asdict(resolved(*argv, variant=variant))
-        except recl.UsageError as err:
-            now = {"refused": str(err)}
-        before = {k: v for k, v in before.items() if k not in ("backtrack", "device")}
-        if "more than mnist allows" in before.get("refused", ""):
-            before, all_images = {"n_per_class": None}, all_images + 1
-        if {"--paper", "resnet18", "adam"} <= set(argv) and "refused" not in before:
-            before = {**before, "lr_x": 0.001}
-        if {"cnn", "dil"} <= set(argv) and variant != "base" and "--paper" not in argv and "refused" not in before:
-            before = {**before, "lr": 0.01, "epochs": 40}
-        if {k: now.get(k, "refused") for k in before} != before:
-            differ.append((line, {k: (v, now.get(k)) for k, v in before.items() if now.get(k) != v}))
-    assert (len(dump), all_images, differ) == (1088, 176, [])
-
-
-# ==== 9. The command line: refusals, result files ====================================================================
-
-REFUSED = [  # each refused by recl.UsageError in one line that names the line's last flag
-    "--seed 2147483647 --seeds 2", "--seeds 0", "--out ''", "--scenario dil --classes-per-task 1",  # combinations
-    "--method joint --variant recl", "--variant base --m 5", "--replay-source inversion --lambda-min 1", "--trials 3",
-    "--replay-source real --lr-x 1", "--method joint --budget recl", "--ce-scope local", "--dataset foo",
-    "--scenario dil --ce-scope new", "--data-root x", *["--device cuda"] * (not torch.cuda.is_available()),
-    "--m 0", "--lr nan", "--lr 1e9", "--replay-noise -1", "--lambda-min 1e30", "--sigma-x 1e30",  # ranges
-    "--replay-noise 1e30", "--alpha 1e30", "--ce-weight 1e30",
-    "--ou x", "--hp foo=1", "--n-per-class 1 --validation"]  # parser, method, tasks
-last_flag = lambda line: [w for w in shlex.split(line) if w.startswith("--")][-1]
-
-@pytest.mark.parametrize("line, error, names", [(line, recl.UsageError, last_flag(line)) for line in REFUSED] + [
-    ("--n-per-class all", data.DataError, "mnist"), ("--dataset BAD.pt --n-per-class 4", data.DataError, "BAD.pt")])
 def test_bad_input_is_refused_in_one_line_before_anything_is_written(line, error, names, tmp_path, monkeypatch):
     (tmp_path / "BAD.pt").write_bytes(b"not a torch file")
     monkeypatch.setattr(recl, "run_continual", lambda *a, **k: pytest.fail("it trained"))
