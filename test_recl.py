@@ -461,6 +461,20 @@ def test_the_header_names_where_each_resolved_value_came_from_in_one_word():
                  "| method: lr 0.1, epochs 20, ewc_lambda 100 |", "| steps: lr_lambda 0.01 |", "| flag: lr_x 0.5 |"):
         assert part in header
 
+# ==== 9. The command line: refusals, result files ====================================================================
+
+REFUSED = [  # each refused by recl.UsageError in one line that names the line's last flag
+    "--seed 2147483647 --seeds 2", "--seeds 0", "--out ''", "--scenario dil --classes-per-task 1",  # combinations
+    "--method joint --variant recl", "--variant base --m 5", "--replay-source inversion --lambda-min 1", "--trials 3",
+    "--replay-source real --lr-x 1", "--method joint --budget recl", "--ce-scope local", "--dataset foo",
+    "--scenario dil --ce-scope new", "--data-root x", *["--device cuda"] * (not torch.cuda.is_available()),
+    "--m 0", "--lr nan", "--lr 1e9", "--replay-noise -1", "--lambda-min 1e30", "--sigma-x 1e30",  # ranges
+    "--replay-noise 1e30", "--alpha 1e30", "--ce-weight 1e30",
+    "--ou x", "--hp foo=1", "--n-per-class 1 --validation"]  # parser, method, tasks
+last_flag = lambda line: [w for w in shlex.split(line) if w.startswith("--")][-1]
+
+@pytest.mark.parametrize("line, error, names", [(line, recl.UsageError, last_flag(line)) for line in REFUSED] + [
+    ("--n-per-class all", data.DataError, "mnist"), ("--dataset BAD.pt --n-per-class 4", data.DataError, "BAD.pt")])
 def test_bad_input_is_refused_in_one_line_before_anything_is_written(line, error, names, tmp_path, monkeypatch):
     (tmp_path / "BAD.pt").write_bytes(b"not a torch file")
     monkeypatch.setattr(recl, "run_continual", lambda *a, **k: pytest.fail("it trained"))
