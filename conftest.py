@@ -4,7 +4,6 @@ import dataclasses
 import os
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,6 @@ import torch.nn.functional as F
 import data
 import models
 import recl
-import strategies
 
 HERE = Path(__file__).resolve().parent
 QUIET = lambda *a: None
@@ -66,13 +64,5 @@ def run_all(*flags, **knobs):
     return command("bash", HERE / "run_all.sh", *flags, env={"PYTHON": sys.executable, **knobs})
 
 def aggregate_tool():
-    """tools/aggregate.py; while it still imports config (merged into recl.py), with a stand-in of recl's names."""
-    try:
-        from tools import aggregate
-    except ModuleNotFoundError as err:
-        if err.name != "config":
-            raise
-        sys.modules["config"] = types.SimpleNamespace(**vars(recl), METHODS=list(strategies.STRATEGIES),
-                                                      write_atomically=lambda path, text: Path(path).write_text(text))
-        from tools import aggregate
+    from tools import aggregate
     return aggregate

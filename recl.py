@@ -32,7 +32,6 @@ import json
 import math
 import os
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -791,10 +790,10 @@ def method_hyperparameter(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not KEY=NUMBER") from None
 
 
-def make_parser(prog="recl.py"):
+def make_parser(prog="recl.py", description="Train a continual-learning method alone and with ReCL on a stream of "
+                "tasks; one JSON file per run. Defaults: Config's, then NETWORKS, strategies.TUNED; a flag given wins."):
     """One flag per Config field, each defaulting to None ("not given"), and the few that are not settings."""
-    p = Parser(prog=prog, description="Train a continual-learning method alone and with ReCL on a stream of tasks; one "
-               "JSON file per run. Defaults: Config's, then NETWORKS, strategies.TUNED; a flag given wins.")
+    p = Parser(prog=prog, description=description)
     for f in (f for f in dataclasses.fields(Config) if f.metadata.get("flag")):
         kind = f.metadata["kind"] or type(f.default)
         kwargs = ({"action": "store_true" if f.name in ("validation", "paper") else argparse.BooleanOptionalAction}

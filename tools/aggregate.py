@@ -7,7 +7,9 @@ from pathlib import Path
 from statistics import mean, stdev
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import config  # noqa: E402
+import recl  # noqa: E402
+
+METHODS = list(recl.strategies.STRATEGIES)
 
 RUN_KEYS = ("method", "variant", "scenario", "dataset", "seed", "ACC", "BWT", "acc_matrix", "config", "digest",
             "recl", "seconds", "reconstructions", "failed_reconstructions", "phase_seconds")
@@ -17,8 +19,8 @@ T95 = dict(enumerate((12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2
     2.131, 2.12, 2.11, 2.101, 2.093, 2.086, 2.08, 2.074, 2.069, 2.064, 2.06, 2.056, 2.052, 2.048, 2.045, 2.042), 1))
 ok = lambda r, k: type(r[k]) in (int, float) and math.isfinite(r[k]) or (k, r[k], r["method"]) == ("BWT", None, "joint")
 tuning = lambda record: record["config"].get("tuning") or "naive"
-method_rank = lambda method: config.METHODS.index(method) if method in config.METHODS else len(config.METHODS)
-arm = lambda r: config.variant_name("", r["variant"], r["config"].get("budget"))  # its name's suffix, as in ARMS
+method_rank = lambda method: METHODS.index(method) if method in METHODS else len(METHODS)
+arm = lambda r: recl.variant_name("", r["variant"], r["config"].get("budget"))  # its name's suffix, as in ARMS
 run_name = lambda r: r["method"] + arm(r) + f" ({tuning(r)})" * (tuning(r) != "naive")
 plasticity = lambda r: None if r["method"] == "joint" else mean(a[t] for t, a in enumerate(r["acc_matrix"]))  # R[t, t]
 cell = lambda v, d=2: "" if not v or None in v else f"{mean(v):.{d}f}" + (len(v) > 1 and f" ({stdev(v):.{d}f})" or "")
@@ -55,7 +57,7 @@ def summary_table(records):
         if first != key:  # what in its settings (its own .pt data by contents too) differs from the first's
             old, new = ({**r["config"], "dataset_sha256": r.get("dataset_sha256", "")[:12]} for r in (old, runs[0]))
             changed = [f"{k} {new.get(k)}" for k in sorted(set(old) | set(new), key=str)
-                       if k not in config.NOT_IN_DIGEST and old.get(k) != new.get(k)]
+                       if k not in recl.NOT_IN_DIGEST and old.get(k) != new.get(k)]
             notes.append(f"\n[{key}] differs from [{first}] in: {', '.join(changed) or 'nothing recorded'}")
         quality = lambda metric: cell([mean(q[metric] for q in r["recon_quality"]) for r in runs
                                        if r.get("recon_quality") and metric in r["recon_quality"][0]], 3)
@@ -109,10 +111,10 @@ def arms_tables(records):
 def aggregate(folder, say=lambda message: print(message, file=sys.stderr)):
     """The tables of `folder`'s records, one per (dataset, scenario, split), the validation searches' first."""
     if not Path(folder).is_dir():
-        raise config.UsageError(f"{folder} is not a folder")
+        raise recl.UsageError(f"{folder} is not a folder")
     records, searches = read_results(folder, say)
     if not records and not searches:
-        raise config.UsageError(f"no finished runs (*.json) in {folder}")
+        raise recl.UsageError(f"no finished runs (*.json) in {folder}")
     tables = [f"### Validation searches\n\n{tuning_table(searches)}\n"] if searches else []
     records.sort(key=lambda r: (method_rank(r["method"]), [*(s for _, s in ARMS), arm(r)].index(arm(r)), r["seed"]))
     table_of = lambda r: (r["dataset"], r["scenario"], bool(r["config"].get("validation")))
@@ -125,6 +127,6 @@ def aggregate(folder, say=lambda message: print(message, file=sys.stderr)):
     return "\n".join(tables)
 
 if __name__ == "__main__":
-    parser = config.Parser(prog="aggregate.py", description=__doc__.split("\n\n")[0])
+    parser = recl.Parser(prog="aggregate.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", help="a folder of run records (*.json)")
-    config.run_from_command_line(lambda: print(aggregate(parser.parse_args().folder)), "aggregate.py")
+    recl.run_from_command_line(lambda: print(aggregate(parser.parse_args().folder)), "aggregate.py")

@@ -5,17 +5,16 @@ import sys
 from pathlib import Path
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import config  # noqa: E402
-import judging  # noqa: E402
+import data  # noqa: E402
 import recl  # noqa: E402
 import strategies  # noqa: E402
 
 def tune():  # a random search without repetition, seeded by --seed; saves every trial, best first; prints the best
-    parser = config.make_parser("tune.py", __doc__)
+    parser = recl.make_parser("tune.py", __doc__)
     parser.add_argument("--draws", type=int, default=10, help="settings drawn from the grid (default: 10)")
     args = parser.parse_args()
     args.variant = args.variant or "base"  # so that check refuses the +ReCL flags of a base search
-    config.check(args)
+    recl.check(args)
     gridded = [flag for flag, given in (("--lr", args.lr), ("--epochs", args.epochs)) if given is not None]
     gridded += [f"--hp {key}" for key in strategies.STRATEGIES[args.method]["grid"] if key in args.hp]
     for refused, why in [(args.variant == "both", "tune scores one variant: --variant base (the default) or recl"),
@@ -25,11 +24,11 @@ def tune():  # a random search without repetition, seeded by --seed; saves every
                          (args.validation, "tune always scores on the validation split; --validation does not apply"),
                          (args.seeds is not None, "tune searches on one seed (--seed); --seeds does not apply")]:
         if refused:
-            raise config.UsageError(why)
-    cfg = dataclasses.replace(config.resolve(args, args.seed, config.variants(args)[-1]), validation=True)
-    name, log = config.variant_name(cfg.method, cfg.variant), lambda *a: args.quiet or print(*a, flush=True)
-    tasks, _, mean_image, _ = config.make_tasks(cfg)
-    config.check_tasks(tasks, cfg)
+            raise recl.UsageError(why)
+    cfg = dataclasses.replace(recl.resolve(args, args.seed, recl.variants(args)[-1]), validation=True)
+    name, log = recl.variant_name(cfg.method, cfg.variant), lambda *a: args.quiet or print(*a, flush=True)
+    tasks, _, mean_image, _ = recl.make_tasks(cfg)
+    recl.check_tasks(tasks, cfg)
     grid = {**strategies.TRAINING_GRID, **strategies.STRATEGIES[cfg.method]["grid"]}
     combos = list(itertools.product(*grid.values()))
     picks = torch.randperm(len(combos), generator=torch.Generator().manual_seed(cfg.seed))[:args.draws].tolist()
@@ -38,18 +37,18 @@ def tune():  # a random search without repetition, seeded by --seed; saves every
         chosen = dict(zip(grid, combos[picks[i]]))
         own = {k: v for k, v in chosen.items() if k not in strategies.TRAINING_GRID}
         r = recl.run_continual(dataclasses.replace(cfg, lr=chosen["lr"], epochs=chosen["epochs"], hp={**cfg.hp, **own}),
-                               tasks, lambda *a: None, search=lambda *a: judging.search_reconstruction(*a, mean_image))
+                               tasks, lambda *a: None, mean_image)
         outcome = f"diverged ({r['diverged']})" if r["diverged"] else f"validation ACC {r['ACC']:.2f}"
         log(f"  trial {i + 1}/{len(picks)}: {chosen} -> {outcome} ({r['seconds']:.0f}s)")
         return float("-inf") if r["ACC"] is None else r["ACC"], dict(
-            settings=chosen, val_ACC=r["ACC"], val_BWT=r["BWT"], seconds=r["seconds"], diverged=r["diverged"]), None
-    trials = [trial for _, _, trial in judging.random_search(range(len(picks)), evaluate)[0]]
-    out = Path(args.out, f"{config.run_name(cfg)}-tuning-{config.digest(cfg)}-{args.draws}draws-seed{cfg.seed}.json")
-    config.write_json_atomically(out, dict(method=name, scenario=cfg.scenario, dataset=config.dataset_name(cfg.dataset),
-        seed=cfg.seed, draws=args.draws, trials=trials, config=dataclasses.asdict(cfg), provenance=config.provenance()))
+            settings=chosen, val_ACC=r["ACC"], val_BWT=r["BWT"], seconds=r["seconds"], diverged=r["diverged"])
+    trials = [trial for _, trial in sorted(map(evaluate, range(len(picks))), key=lambda t: -t[0])]  # ties: in order
+    out = Path(args.out, f"{recl.run_name(cfg)}-tuning-{recl.digest(cfg)}-{args.draws}draws-seed{cfg.seed}.json")
+    data.write_json_atomically(out, dict(method=name, scenario=cfg.scenario, dataset=Path(cfg.dataset).stem,
+        seed=cfg.seed, draws=args.draws, trials=trials, config=dataclasses.asdict(cfg), provenance=data.provenance()))
     if trials[0]["val_ACC"] is None:
-        raise config.RunFailed(f"{name} {cfg.scenario}: every trial diverged ({out})")
+        raise recl.RunFailed(f"{name} {cfg.scenario}: every trial diverged ({out})")
     print(f"{name} {cfg.scenario}: best validation ACC {trials[0]['val_ACC']:.2f}, {trials[0]['settings']} -> {out}")
 
 if __name__ == "__main__":
-    config.run_from_command_line(tune, "tune.py")
+    recl.run_from_command_line(tune, "tune.py")
