@@ -11,7 +11,7 @@ Read top to bottom:
   0. The settings: `Config`, one field per setting with its help; the tables a run's values are looked up in.
   1. The paper: Eq. 3-6, Step 1's loop (`reconstruct`), Step 2's loop (`train_task`), Eq. 1-2. Plain functions.
   2. A run: `step1` and `step2` build those loops' values from a Config, each departure from the paper one named
-     `if` line where it acts; `run_continual` is the task loop.
+     `if` line where it acts (the filter's in `run_continual`); `run_continual` is the task loop.
   3. The departures, one function each, numbered as in docs/departures.md; the controls (inversion, stored images).
   4. Judging a reconstruction (SSIM, App. D.5) and Sec. 4.3's search, which Step 1 calls directly.
   5. The command line: a run's values looked up (`resolve`), the checks, the result files, `main`.
@@ -85,7 +85,7 @@ class Config:
                             "classes only (new), or also the replayed ones over the old only (local)",
                             choices=["all", "new", "local"])
     hp: dict = dataclasses.field(default_factory=dict)  # the method's own hyperparameters (strategies.py), by --hp
-    # reconstruction (Step 1) and replay
+    # reconstruction (Step 1) and replay: the replay arms' fields, m to trials (RECL_FIELDS; a new departure's here)
     m: int | None = setting(None, "candidates per old class (in DIL per class and old task); "
                             "default: as many as training images per class", kind=int, **COUNT)
     n_rec: int | None = setting(100, "reconstruction steps before each task", **COUNT)
@@ -122,7 +122,8 @@ class Config:
 
 FIELDS, DEFAULTS = [f.name for f in dataclasses.fields(Config)], dataclasses.asdict(Config())
 RECL_FIELDS = FIELDS[FIELDS.index("m"):FIELDS.index("paper")]  # what the method alone does not use
-# --paper: the paper as written, every departure off.
+# --paper: every departure off. Eq. 3-6's own settings (m, n_rec, sigma_x, the step sizes, lambda_min, alpha) keep
+# Config's values, for which the paper gives ranges (App. B.3); lr_x follows what Eq. 3 fits (`resolve`).
 PAPER = {"rec_target": "weights", "freeze_old": False, "filter": False, "replay_noise": 0.0, "ce_weight": 0.0,
          "rec_optimizer": "sgd", "replay_batch": 0, "ce_scope": "all", "budget": "alone"}
 # The controls skip what is Eq. 3-6's: inversion has no lambdas, no target, no added term; the stored arms (real
@@ -155,9 +156,9 @@ NETWORKS["alexnet"] = {scenario: {**values, "budget": "alone"} for scenario, val
 #   primal feasibility       every margin >= 1
 #   complementary slackness  lambda_ij > 0 only where x_i's margin against j is exactly 1 (points on the margin)
 # ReCL keeps the first two, as losses over unknown points: the training images are what is sought, the labels are
-# fixed, m per old class. It simplifies them: one lambda per point, on the margin against the best other class (Phi
-# below), not one per (point, class); primal feasibility and complementary slackness are dropped, so nothing asks a
-# candidate to sit on the margin.
+# fixed, m per old class. The paper's Eq. 3 keeps one lambda per point, not one per (point, class), and leaves Phi of
+# a multi-class network open; here Phi is the margin against the best other class (below). Primal feasibility and
+# complementary slackness are dropped, so nothing asks a candidate to sit on the margin.
 #
 # Phi(theta; x) for a multi-class network is thus the margin of x's label y: its logit minus the largest other
 # logit. Eq. 3 turns stationarity into a loss over n candidates x_1..x_n with coefficients lambda_1..lambda_n
@@ -168,14 +169,15 @@ NETWORKS["alexnet"] = {scenario: {**values, "budget": "alone"} for scenario, val
 #   L_prior  = sum_{i,k} relu(|x_ik| - 1)^2                                      (Eq. 5)
 #   L_full   = L_rec + L_lambda + L_prior                                        (Eq. 6)
 #
-# Like the reference code, Eq. 4 and 5 use squared hinges (smooth; the paper prints
-# plain ones); the sum is scaled by 1/n so that lambda_min means the same for any n;
-# the norm runs over every parameter. `scale` multiplies L_rec: 1 here; departure 1
-# divides by |theta - theta_0|^2, so that L_rec is the share left, whatever the network.
+# The paper prints Eq. 3 without 1/n, L_lambda = sum_i max(-lambda_i, -lambda_min) and L_prior = sum_{i,k}
+# max(x_ik - 1, -x_ik - 1, 0). Like the reference code (Buzaglo et al. 2023), Eq. 4 and 5 are squared hinges here
+# (smooth), and the sum is scaled by 1/n so that lambda_min means the same for any n. The norm runs over every
+# parameter (the MLP's first-layer bias too). `scale` multiplies L_rec: 1 here; departure 1 divides by
+# |theta - theta_0|^2, so that L_rec is the share left, whatever the network.
 #
 # Why lambda_min, not just lambda >= 0: lambda_i = 0 is feasible and takes x_i out of the sum, so the optimiser
 # could explain theta with a few candidates and leave the rest as noise. Eq. 4 pushes every lambda_i above
-# lambda_min: every candidate has to carry some of theta.
+# lambda_min: every candidate has to carry some of theta. Nothing clamps lambda: Eq. 4 is the only push.
 #
 # Three facts of the implementation the loss relies on:
 #   - A double backward. L_rec contains grad_theta Phi(theta; x_i), and Step 1 needs its gradient in x_i and
@@ -184,7 +186,8 @@ NETWORKS["alexnet"] = {scenario: {**values, "budget": "alone"} for scenario, val
 #   - The smooth ReLU (models.with_smooth_relu). ReLU's derivative is a step in z: the activation pattern, which
 #     decides grad_theta Phi, moves with x, but the step's derivative is zero, so that dependence is invisible to
 #     the outer gradient. The copy Step 1 uses keeps ReLU's forward (the margins are the network's own) and uses
-#     sigmoid(alpha z) as its derivative in the backward: a surrogate gradient, sharper as alpha grows.
+#     sigmoid(alpha z) as its derivative in every backward, so grad_theta Phi in Eq. 3 is the surrogate's too:
+#     a surrogate gradient, sharper as alpha grows.
 #   - One pass for the whole sum. sum_i lambda_i grad Phi(x_i) = grad sum_i lambda_i Phi(x_i), since a gradient is
 #     linear, provided each Phi(x_i) depends on its own x_i only. That holds in eval mode (batch norm uses its running
 #     statistics, no dropout); in train mode batch norm mixes the candidates of a batch and the identity fails.
@@ -272,9 +275,26 @@ def reconstruct(L_full, x, lam, optimizers, steps, log=print):
     return best[1], best[2], reconstruction_report(losses, best, first_terms)
 
 
+class Diverged(Exception):  # a non-finite training loss: the run's numbers would be meaningless
+    pass
+
+
+
+def reconstruction_report(losses, best, first_terms):
+    """The loss at the start, of the kept candidates and of the last step; and why the
+    reconstruction failed, if it did: it diverged, or no step lowered the loss."""
+    first, last = losses[0], losses[-1]
+    failed = (f"diverged at step {len(losses) - 1}" if not math.isfinite(last)
+              else f"diverged: the last step's loss {last:.4g} is above the start's {first:.4g}" if last > first
+              else "no step lowered the loss" if best[0] >= first else None)
+    return {"steps": len(losses) - 1, "first_loss": first, "kept_loss": best[0], "last_step_loss": last,
+            "first_terms": {k: v.item() for k, v in first_terms.items()},
+            "kept_terms": {k: v.item() for k, v in best[3].items()}, "failed": failed}
+
+
 def train_task(model, batches, loss_of, optimizer, epochs, hooks, state):
-    """Step 2 (Sec. 4.2): SGD on cross-entropy, which the strategy's hooks extend. `batches()`
-    draws one epoch of (x, y, replayed) batches; returns the last epoch's mean loss."""
+    """Step 2 (Sec. 4.2): SGD on cross-entropy, which the strategy's hooks extend (on every batch, replayed rows
+    too). `batches()` draws one epoch of (x, y, replayed) batches; returns the last epoch's mean loss."""
     model.train()
     for epoch in range(epochs):
         total, seen = 0.0, 0
@@ -462,8 +482,8 @@ def run_jointly(cfg, tasks, log=print):
 # levers that lost, and have no code). `--paper` switches every one off.
 
 # Departure 1, displacement target (`--rec-target displacement`). Paper: Eq. 3 fits theta. Here: theta - theta_0, what
-# training added, relative to its size. Why: Eq. 3 holds after long training; after minutes the random start theta_0
-# still dominates theta, and no candidate explains it.
+# training added, relative to its size (a grown head's new rows count from their own start, models.grow_head). Why:
+# Eq. 3 holds after long training; after minutes the random start theta_0 still dominates theta.
 def displacement_target(params, model):
     start = models.start_weights(model)
     if start is None:
@@ -790,8 +810,8 @@ def method_hyperparameter(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not KEY=NUMBER") from None
 
 
-def make_parser(prog="recl.py", description="Train a continual-learning method alone and with ReCL on a stream of "
-                "tasks; one JSON file per run. Defaults: Config's, then NETWORKS, strategies.TUNED; a flag given wins."):
+def make_parser(prog="recl.py", description="Train a continual-learning method alone and with ReCL on a stream "
+                "of tasks; one JSON file per run. Defaults: Config's, NETWORKS, strategies.TUNED; a flag wins."):
     """One flag per Config field, each defaulting to None ("not given"), and the few that are not settings."""
     p = Parser(prog=prog, description=description)
     for f in (f for f in dataclasses.fields(Config) if f.metadata.get("flag")):
@@ -953,23 +973,6 @@ def describe(cfg):
               if cfg.set_by.get(k, "default") == s]
           for s in ("default", "network", "method", "paper", "control", "steps", "budget", "flag")}
     return text + "".join(f" | {s}: {', '.join(kv)}" for s, kv in by.items() if kv) + f" | config {digest(cfg)}"
-
-
-class Diverged(Exception):  # a non-finite training loss: the run's numbers would be meaningless
-    pass
-
-
-
-def reconstruction_report(losses, best, first_terms):
-    """The loss at the start, of the kept candidates and of the last step; and why the
-    reconstruction failed, if it did: it diverged, or no step lowered the loss."""
-    first, last = losses[0], losses[-1]
-    failed = (f"diverged at step {len(losses) - 1}" if not math.isfinite(last)
-              else f"diverged: the last step's loss {last:.4g} is above the start's {first:.4g}" if last > first
-              else "no step lowered the loss" if best[0] >= first else None)
-    return {"steps": len(losses) - 1, "first_loss": first, "kept_loss": best[0], "last_step_loss": last,
-            "first_terms": {k: v.item() for k, v in first_terms.items()},
-            "kept_terms": {k: v.item() for k, v in best[3].items()}, "failed": failed}
 
 
 def noted(report, t, kept, started, name, log):
