@@ -726,30 +726,39 @@ def resolve(args, seed, variant):
     those before: Config's defaults, the network's (NETWORKS, replay variants), the method's at the run's budget
     (strategies.TUNED, ARMS), --paper's (PAPER), the control's (CONTROL, STORED), the flags given. Then the values that
     depend on others, each a named `retune` line that never overrides a flag."""
+    method, scenario, model, replay = args.method, args.scenario, args.model, variant != "base"
+    # the flags given; the method alone takes none of the replay arm's but --budget recl
     given = {k: v for k, v in vars(args).items() if v is not None and k in FIELDS and k not in ("seed", "variant", "hp")
-             and not (variant == "base" and k in RECL_FIELDS and k != "budget")}
+             and not (not replay and k in RECL_FIELDS and k != "budget")}
     given.update(dict(args.hp))
-    if variant == "base" and given.get("budget") == "alone":
+    if not replay and given.get("budget") == "alone":
         del given["budget"]  # the method alone trains at its own budget anyway
     if given.get("n_per_class") == "all":
         given["n_per_class"] = None  # every training image
-    method, scenario, model, replay = args.method, args.scenario, args.model, variant != "base"
     paper = replay and bool(given.get("paper"))
-    tuned = replay and not paper  # a replay variant with the values tuned here, not the paper's
+    tuned = replay and not paper  # a replay arm with the values tuned here, not the paper's
     network = NETWORKS[model][scenario] if tuned else {}
-    # a flag's budget, else the method's own for the method alone and under --paper, else the network's or +ReCL's
-    budget = given.get("budget", network.get("budget", "recl") if tuned else "alone")
-    own, arms = strategies.TUNED[scenario].get(method, {}), strategies.ARMS  # a method not tuned yet: Config's
-    arm = {**arms.get((scenario, method), {}), **arms.get((scenario, method, variant), {})} if tuned else {}
+    if "budget" in given:  # the method's lr, epochs and hyperparameters: at which budget
+        budget = given["budget"]
+    elif tuned:  # +ReCL's (the replay arms train as it does), unless the network says otherwise (AlexNet)
+        budget = network.get("budget", "recl")
+    else:  # the method alone, and under --paper
+        budget = "alone"
+    own = strategies.TUNED[scenario].get(method, {})  # a method not tuned yet: Config's values
+    arm = {}  # a method's values for its replay arms: all of them, then this one
+    if tuned:
+        arm = {**strategies.ARMS.get((scenario, method), {}), **strategies.ARMS.get((scenario, method, variant), {})}
     sources = {"default": {**DEFAULTS, **strategies.defaults(method), "seed": seed, "variant": variant},
                "network": network,
-               "method": {**own.get("alone", {}), **own.get(budget, {}), **arm},
+               "method": {**own.get("alone", {}), **own.get(budget, {}), **arm},  # "recl" holds what it changes
                "paper": PAPER if paper else {},
                "control": {"inversion": CONTROL, "real": STORED, "centroids": STORED}.get(variant, {}),
                "flag": given}
-    values = {k: v for changes in sources.values() for k, v in changes.items()}
-    set_by = {k: source for source, changes in sources.items() if source != "default" for k in changes
-              if k not in ("dataset", "scenario", "method", "model")}  # what runs, always known
+    values, set_by = {}, {}  # each value, and the source that set it last (the header shows it)
+    for source, changes in sources.items():
+        values.update(changes)
+        set_by.update({k: source for k in changes if source != "default" and k not in ("dataset", "scenario",
+                                                                                          "method", "model")})
 
     def retune(source, **changes):  # never a flag's value, nor one the run does not use
         for k in (k for k in changes if k not in given and values[k] is not None):
