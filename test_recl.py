@@ -128,7 +128,7 @@ def test_eq3_as_written_recovers_the_training_images_of_a_trained_network(traine
     model, _, x, _ = trained
     found, _, _ = read(model, x, config("recl", "--paper", "--n-rec", "100", m=8))
     similar, chance = nearest_cosine(found, x).mean(), nearest_cosine(randn(16, 1, 28, 28), x).mean()
-    assert similar > 0.5 and similar > chance + 0.4  # margins: docs/test-margins.md
+    assert similar > 0.5 and similar > chance + 0.4
 
 def test_the_displacement_target_is_theta_minus_theta0_scaled_by_its_size(trained):
     model, initial, _, _ = trained
