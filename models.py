@@ -1,6 +1,7 @@
 """Networks for ReCL. Its theory (App. B.1) needs *homogeneous* networks: scaling the weights by c scales the output
 by c^L, as in ReLU nets without biases. As in the paper (App. D.1), only the first layer has a bias (the MLP's at a
-tiny scale, the CNN's at He scale: docs/running.md, "Datasets and models"); no head has one, so it can grow (`grow_head`)."""
+tiny scale, the CNN's at He scale: docs/running.md, "Datasets and models"); no head has one, so it can grow
+(`grow_head`)."""
 import copy
 
 import torch
@@ -19,7 +20,8 @@ class MLP(nn.Module):  # the paper's D-1000-1000-C perceptron
 
 def he_init(model):
     """He et al. (2015): weights N(0, 2 / fan_in), biases zero: a signal keeps its size through ReLU layers. PyTorch's
-    default shrinks it ~sqrt(3) a layer: the CNN and AlexNet would stay at ln C (docs/running.md, "Datasets and models")."""
+    default shrinks it ~sqrt(3) a layer: the CNN and AlexNet would stay at ln C (docs/running.md, "Datasets and
+    models")."""
     for module in model.modules():
         if isinstance(module, (nn.Conv2d, nn.Linear)):
             nn.init.kaiming_normal_(module.weight, nonlinearity="relu")
