@@ -15,7 +15,9 @@
 # the runs without one. DRY_RUN=1 prints that list, one command per line, for xargs or a cluster (docs/running.md).
 # A sweep is a loop:  for m in 10 25 50; do RESULTS=results/m-$m VARIANTS=recl bash run_all.sh --m $m; done
 set -euo pipefail
-if [[ " $* " == *" -h "* || " $* " == *" --help "* ]]; then sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0; fi
+if [[ " $* " == *" -h "* || " $* " == *" --help "* ]]; then
+  sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0; fi
+here=$(cd "$(dirname "$0")" && pwd)
 fail() { echo "run_all: error: $*" >&2; exit 2; }
 words() { local name=$1 allowed=$2 w out=(); for w in ${!name}; do  # the knob's words, each once, each allowed
   [[ " $allowed " == *" $w "* || -z $allowed ]] || fail "$name: $w is not one of: $allowed"
@@ -23,7 +25,8 @@ words() { local name=$1 allowed=$2 w out=(); for w in ${!name}; do  # the knob's
   [ ${#out[@]} -gt 0 ] || fail "$name is empty"; echo "${out[@]}"; }
 PYTHON=${PYTHON:-python} QUICK=${QUICK:-0} DRY_RUN=${DRY_RUN:-0}
 [[ $QUICK =~ ^[01]$ && $DRY_RUN =~ ^[01]$ ]] || fail "QUICK and DRY_RUN are 0 or 1"
-METHODS=${METHODS-$("$PYTHON" -c 'import strategies; print(*strategies.STRATEGIES)')} SCENARIOS=${SCENARIOS-cil dil} DATASETS=${DATASETS-mnist}
+METHODS=${METHODS-$(cd "$here" && "$PYTHON" -c 'import strategies; print(*strategies.STRATEGIES)')}
+SCENARIOS=${SCENARIOS-cil dil} DATASETS=${DATASETS-mnist}
 VARIANTS=${VARIANTS-base budget recl inversion real centroids}
 methods=$(words METHODS "") scenarios=$(words SCENARIOS "cil dil")
 variants=$(words VARIANTS "base budget recl inversion real centroids") datasets=$(words DATASETS "")
@@ -33,9 +36,11 @@ read -r -a devices <<< "${DEVICES:-}"
 [[ ${DEVICES:-0} =~ ^[0-9\ ]+$ ]] || fail "DEVICES lists GPU numbers, like \"0 1\""
 JOBS=${JOBS:-$(( ${#devices[@]} > 1 ? ${#devices[@]} : 1 ))}
 [[ $JOBS =~ ^[1-9][0-9]{0,2}$ ]] || fail "JOBS is a whole number from 1"
-for a in "$@"; do case ${a%%=*} in --seed|--seeds|--method|--scenario|--dataset|--variant|--replay-source|--budget|\
-  --out|--data-root|--device|--quiet|--skip-done|--dry-run) fail "${a%%=*} is run_all's to set per run: use its knobs";; esac; done
-name=$( ( ((QUICK)) && echo quick; [ $# = 0 ] || printf '%s\n' "$@") | sed 's/^--//' | paste -sd_ | sed 's/[^A-Za-z0-9._-]/_/g')
+for a in "$@"; do case ${a%%=*} in  # the flags run_all sets per line
+  --seed|--seeds|--method|--scenario|--dataset|--variant|--replay-source|--budget|--out|--data-root|--device|\
+  --quiet|--skip-done|--dry-run) fail "${a%%=*} is run_all's to set per run: use its knobs";; esac; done
+name=$( ( ((QUICK)) && echo quick; [ $# = 0 ] || printf '%s\n' "$@") | sed 's/^--//' | paste -sd_ |
+  sed 's/[^A-Za-z0-9._-]/_/g')
 RESULTS=${RESULTS-results${name:+/$name}}
 [ -n "$RESULTS" ] || fail "RESULTS is empty; it must name a folder"
 RESULTS=$(realpath -m -- "$RESULTS") DATA_ROOT=$(realpath -m -- "${DATA_ROOT:-data}")  # your paths, from your folder
@@ -56,7 +61,7 @@ for d in $datasets; do [[ $d != *.pt ]] || d=$(realpath -m -- "$d")
     lines+=("$(printf '%q ' "${line[@]}" "${quick[@]}" "$@")")
 done; done; done; done; done
 [ ${#lines[@]} -gt 0 ] || fail "no run: joint runs only with VARIANTS base"
-cd "$(dirname "$0")" && export PYTHON
+cd "$here" && export PYTHON
 # one process checks every line (a refusal names its line) and keeps those with a run left
 todo=$(printf '%s\n' "${lines[@]}" | "$PYTHON" -c '
 import shlex, sys, recl
