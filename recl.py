@@ -373,7 +373,7 @@ def step1(model, old_tasks, cfg, last=None, log=print):
 
 def shuffled_rows(x, batch_size, seed):
     """Each call draws a new order of every row, the task's own and the reconstructions alike (a shuffling
-    DataLoader, seeded once: a new order each epoch and each task)."""
+    DataLoader seeded by the run's seed: each epoch a new order)."""
     loader = data.loader(torch.arange(len(x), device=x.device), torch.zeros(len(x)), batch_size, seed=seed)
     return lambda: (rows for rows, _ in loader)
 
