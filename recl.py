@@ -60,8 +60,9 @@ COUNT = dict(above=0, high=100_000)  # far beyond any study here, far short of f
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Every value one run uses; the defaults are the MLP's +ReCL run on SplitMNIST. The fields from `m` to `trials`
-    are the replay variant's: None for the method alone (and those of Eq. 3-5 for the controls, which skip them)."""
+    """Every value one run uses; the defaults are the MLP's +ReCL run on SplitMNIST, but for the lr, epochs and own
+    hyperparameters each method tunes (strategies.TUNED). The fields from `m` to `trials` are the replay arm's: None
+    for the method alone (and those of Eq. 3-5 for the controls, which skip them)."""
     # what runs
     dataset: str = setting("mnist", "mnist (shipped), fashion-mnist, cifar10, or a .pt")
     scenario: str = setting("cil", "class-incremental (a growing head) or domain-incremental (one head)",
@@ -83,7 +84,7 @@ class Config:
     batch_size: int = setting(64, "training batch size", above=0)
     ce_scope: str = setting("all", "CIL, departure 8: the task's own images scored over all classes, over its new "
                             "classes only (new), or also the replayed ones over the old only (local)",
-                            choices=["all", "new", "local"])
+                            choices=["all", "new", "local"])  # here, not below: the method alone takes it too
     hp: dict = dataclasses.field(default_factory=dict)  # the method's own hyperparameters (strategies.py), by --hp
     # reconstruction (Step 1) and replay: the replay arms' fields, m to trials (RECL_FIELDS; a new departure's here)
     m: int | None = setting(None, "candidates per old class (in DIL per class and old task); "
@@ -140,7 +141,8 @@ NETWORKS = {"mlp": {"cil": {}, "dil": {"ce_weight": 0.0}},
                     "dil": {**CONV, "replay_noise": 1.0, "ce_weight": 0.0}},
             "resnet18": {"cil": RESNET, "dil": {**RESNET, "ce_weight": 0.0}}}
 NETWORKS["alexnet"] = {scenario: {**values, "budget": "alone"} for scenario, values in NETWORKS["cnn"].items()}
-# The methods' own tuned values are strategies.TUNED (lr, epochs, hyperparameters) and strategies.ARMS (per arm).
+# From strategies.py a run takes only: TUNED, each method's lr, epochs and own hyperparameters, alone and at +ReCL's
+# budget; and ARMS, the few per-arm values (GPM replays without noise, ER keeps cross-entropy over all classes).
 
 # ==== 1. The paper ===================================================================================================
 #
