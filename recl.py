@@ -15,7 +15,11 @@ Read top to bottom:
   3. The departures, one function each, numbered as in docs/departures.md; the controls (inversion, stored images).
   4. Judging a reconstruction (SSIM, App. D.5) and Sec. 4.3's search, which Step 1 calls directly.
   5. The command line: a run's values looked up (`resolve`), the checks, the result files, `main`.
-The continual-learning methods (EWC, ER, ...) are hooks in strategies.py; networks in models.py; data in data.py.
+The continual-learning methods (EWC, ER, ...) are hooks in strategies.py, each an entry of STRATEGIES like
+  "ewc": {"hooks": {"extra_loss": ewc_loss, "after_task": ewc_after_task},
+          "hyperparameters": {"ewc_lambda": (100.0, ">= 0", lambda v: v >= 0)}, "grid": {"ewc_lambda": [...]}}
+with its tuned values in TUNED[scenario]["ewc"] = {"alone": {...}, "recl": {...}}; networks in models.py, data in
+data.py.
 `python tools/see_eq3_work.py` shows Step 1 giving training images back in the regime the theory is about.
 
 `--paper` (PAPER) switches every departure off and trains at the method's own budget. It keeps these choices, on in
@@ -84,7 +88,7 @@ class Config:
     batch_size: int = setting(64, "training batch size", above=0)
     ce_scope: str = setting("all", "CIL, departure 8: the task's own images scored over all classes, over its new "
                             "classes only (new), or also the replayed ones over the old only (local)",
-                            choices=["all", "new", "local"])  # here, not below: the method alone takes it too
+                            choices=["all", "new", "local"])  # a departure, but the method alone takes it too
     hp: dict = dataclasses.field(default_factory=dict)  # the method's own hyperparameters (strategies.py), by --hp
     # reconstruction (Step 1) and replay: the replay arms' fields, m to trials (RECL_FIELDS; a new departure's here)
     m: int | None = setting(None, "candidates per old class (in DIL per class and old task); "
@@ -166,7 +170,8 @@ NETWORKS["alexnet"] = {scenario: {**values, "budget": "alone"} for scenario, val
 # logit. Eq. 3 turns stationarity into a loss over n candidates x_1..x_n with coefficients lambda_1..lambda_n
 # (n = m candidates per old class, `--m`, times the old classes):
 #
-#   L_rec    = || theta - (1/n) sum_i lambda_i grad_theta Phi(theta; x_i) ||^2   (Eq. 3)
+#   L_rec    = || theta - (1/n) sum_i lambda_i grad_theta Phi(theta; x_i) ||^2   (Eq. 3; by default theta - theta_0
+#                                                                                 in place of theta: departure 1)
 #   L_lambda = 5 sum_i relu(lambda_min - lambda_i)^2                             (Eq. 4)
 #   L_prior  = sum_{i,k} relu(|x_ik| - 1)^2                                      (Eq. 5)
 #   L_full   = L_rec + L_lambda + L_prior                                        (Eq. 6)
@@ -732,7 +737,7 @@ def resolve(args, seed, variant):
     method, scenario, model, replay = args.method, args.scenario, args.model, variant != "base"
     # the flags given; the method alone takes none of the replay arm's but --budget recl
     given = {k: v for k, v in vars(args).items() if v is not None and k in FIELDS and k not in ("seed", "variant", "hp")
-             and not (not replay and k in RECL_FIELDS and k != "budget")}
+             and (replay or k not in RECL_FIELDS or k == "budget")}
     given.update(dict(args.hp))
     if not replay and given.get("budget") == "alone":
         del given["budget"]  # the method alone trains at its own budget anyway
