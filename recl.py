@@ -17,7 +17,7 @@ Read top to bottom:
   5. The command line: a run's values looked up (`resolve`), the checks, the result files, `main`.
 The continual-learning methods (EWC, ER, ...) are hooks in strategies.py, each an entry of STRATEGIES like
   "ewc": {"hooks": {"extra_loss": ewc_loss, "after_task": ewc_after_task},
-          "hyperparameters": {"ewc_lambda": (100.0, ">= 0", lambda v: v >= 0)}, "grid": {"ewc_lambda": [...]}}
+          "hyperparameters": {"ewc_lambda": (DEFAULT, MEANING, TEST)}, "grid": {"ewc_lambda": [VALUES]}}
 with its tuned values in TUNED[scenario]["ewc"] = {"alone": {...}, "recl": {...}}; networks in models.py, data in
 data.py.
 `python tools/see_eq3_work.py` shows Step 1 giving training images back in the regime the theory is about.

@@ -1,19 +1,13 @@
 #!/usr/bin/env bash
-# The full results table: every method alone (base), alone at +ReCL's budget (budget), with ReCL (recl), with the
-# inversion control (inversion), with m real old images (real, the ceiling) and with class centroids (centroids, the
-# floor), and the joint upper bound, in CIL and DIL, over 5 seeds; then RESULTS/table.md.
-#
+# The full results table: each method alone (base), alone at +ReCL's budget (budget), +ReCL (recl), +inversion,
+# +real old images (real, the ceiling), +class centroids (centroids, the floor), and joint; CIL and DIL; 5 seeds.
 #   bash run_all.sh [recl.py flags]         every run, JOBS at a time; your flags go to every run
 #   QUICK=1 bash run_all.sh                 1 seed, 5 epochs, 20 steps: a smoke test, its numbers mean nothing
-#   VARIANTS=recl bash run_all.sh --m 50    a flag of the replay arms needs VARIANTS without base and budget
-#
-# Knobs: DATASETS (mnist; fashion-mnist, cifar10, your .pt files), SCENARIOS (cil dil), METHODS (all), VARIANTS
-# (base budget recl inversion real centroids), SEEDS (5), FIRST_SEED (0), JOBS (1, or one per GPU in DEVICES),
-# DEVICES ("0 1": the workers take the GPUs in turn), RESULTS (results/FLAGS), DATA_ROOT (data), QUICK, DRY_RUN,
-# PYTHON (python). Every run is checked before any starts (`recl.py --dry-run`): one line and exit 2 for a bad knob
-# or flag. Resumable: each run writes its JSON atomically, named by its config's digest, and the list holds only
-# the runs without one. DRY_RUN=1 prints that list, one command per line, for xargs or a cluster (docs/running.md).
-# A sweep is a loop:  for m in 10 25 50; do RESULTS=results/m-$m VARIANTS=recl bash run_all.sh --m $m; done
+#   VARIANTS=recl bash run_all.sh --m 50    a replay arm's flag needs VARIANTS without base and budget
+# Knobs: DATASETS (mnist; fashion-mnist, cifar10, .pt files), SCENARIOS, METHODS, VARIANTS, SEEDS (5), FIRST_SEED (0),
+# JOBS (1, or one per GPU), DEVICES ("0 1"), RESULTS (results/FLAGS), DATA_ROOT (data), QUICK, DRY_RUN, PYTHON.
+# Every line is checked first (`recl.py --dry-run`); a run is skipped if its JSON (named by its config's digest)
+# exists, so an interrupted run_all resumes. DRY_RUN=1 prints the runs left, for xargs or a cluster (docs/running.md).
 set -euo pipefail
 if [[ " $* " == *" -h "* || " $* " == *" --help "* ]]; then
   sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0; fi
@@ -26,8 +20,7 @@ words() { local name=$1 allowed=$2 w out=(); for w in ${!name}; do  # the knob's
 PYTHON=${PYTHON:-python} QUICK=${QUICK:-0} DRY_RUN=${DRY_RUN:-0}
 [[ $QUICK =~ ^[01]$ && $DRY_RUN =~ ^[01]$ ]] || fail "QUICK and DRY_RUN are 0 or 1"
 METHODS=${METHODS-$(cd "$here" && "$PYTHON" -c 'import strategies; print(*strategies.STRATEGIES)')}
-SCENARIOS=${SCENARIOS-cil dil} DATASETS=${DATASETS-mnist}
-VARIANTS=${VARIANTS-base budget recl inversion real centroids}
+SCENARIOS=${SCENARIOS-cil dil} DATASETS=${DATASETS-mnist} VARIANTS=${VARIANTS-base budget recl inversion real centroids}
 methods=$(words METHODS "") scenarios=$(words SCENARIOS "cil dil")
 variants=$(words VARIANTS "base budget recl inversion real centroids") datasets=$(words DATASETS "")
 SEEDS=${SEEDS:-$([ "$QUICK" = 1 ] && echo 1 || echo 5)} FIRST_SEED=${FIRST_SEED:-0}
@@ -39,30 +32,27 @@ JOBS=${JOBS:-$(( ${#devices[@]} > 1 ? ${#devices[@]} : 1 ))}
 for a in "$@"; do case ${a%%=*} in  # the flags run_all sets per line
   --seed|--seeds|--method|--scenario|--dataset|--variant|--replay-source|--budget|--out|--data-root|--device|\
   --quiet|--skip-done|--dry-run) fail "${a%%=*} is run_all's to set per run: use its knobs";; esac; done
-name=$( ( ((QUICK)) && echo quick; [ $# = 0 ] || printf '%s\n' "$@") | sed 's/^--//' | paste -sd_ |
-  sed 's/[^A-Za-z0-9._-]/_/g')
+name=$( (((QUICK)) && echo quick; [ $# = 0 ] || printf '%s\n' "$@") | sed 's/^--//; s/[^A-Za-z0-9._-]/_/g' | paste -sd_)
 RESULTS=${RESULTS-results${name:+/$name}}
 [ -n "$RESULTS" ] || fail "RESULTS is empty; it must name a folder"
 RESULTS=$(realpath -m -- "$RESULTS") DATA_ROOT=$(realpath -m -- "${DATA_ROOT:-data}")  # your paths, from your folder
 quick=() steps=()  # QUICK's, where no flag of yours says
 (( QUICK )) && [[ " $* " != *" --epochs "* ]] && quick=(--epochs 5)
 (( QUICK )) && [[ " $* " != *" --n-rec "* ]] && steps=(--n-rec 20)
-declare -A flags=([base]="--variant base" [budget]="--variant base --budget recl" [recl]="--variant recl"
-  [inversion]="--variant recl --replay-source inversion" [real]="--variant recl --replay-source real"
-  [centroids]="--variant recl --replay-source centroids")
+arm() { case $1 in base) echo --variant base;; budget) echo --variant base --budget recl;; recl) echo --variant recl;;
+  *) echo --variant recl --replay-source "$1";; esac; }  # inversion, real, centroids
 lines=()
 for d in $datasets; do [[ $d != *.pt ]] || d=$(realpath -m -- "$d")
   for ((seed = FIRST_SEED; seed < FIRST_SEED + SEEDS; seed++)); do for s in $scenarios; do for m in $methods; do
     for v in $variants; do [ "$m" != joint ] || [ "$v" = base ] || continue  # seed first: its data loads once
-    line=(--dataset "$d" --scenario "$s" --method "$m" ${flags[$v]} --seed "$seed" --out "$RESULTS" --quiet --skip-done)
+    line=(--dataset "$d" --scenario "$s" --method "$m" $(arm "$v") --seed "$seed" --out "$RESULTS" --quiet --skip-done)
     [[ $d == mnist || $d == *.pt ]] || line+=(--data-root "$DATA_ROOT")
     [[ $v == recl || $v == inversion ]] && line+=("${steps[@]}")
     [ ${#devices[@]} -gt 0 ] && line+=(--device cuda)
     lines+=("$(printf '%q ' "${line[@]}" "${quick[@]}" "$@")")
 done; done; done; done; done
 [ ${#lines[@]} -gt 0 ] || fail "no run: joint runs only with VARIANTS base"
-cd "$here" && export PYTHON
-# one process checks every line (a refusal names its line) and keeps those with a run left
+cd "$here" && export PYTHON  # below, one process checks every line (a refusal names it), keeps those with runs left
 todo=$(printf '%s\n' "${lines[@]}" | "$PYTHON" -c '
 import shlex, sys, recl
 def plan():
