@@ -244,3 +244,8 @@ def write_json_atomically(path, record):
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(record, separators=(",", ":")))
     os.replace(tmp, path)
+
+
+@functools.cache  # a dataset file is hashed once per process
+def file_sha256(path):
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()

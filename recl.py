@@ -8,19 +8,18 @@ random candidates x_i and their lambda_i until the equation holds for the curren
 trains on those reconstructions with the new task's data (Step 2, Sec. 4.2).
 
 Read top to bottom:
-  0. The settings: `Config`, one field per setting with its help; the tables a run's values are looked up in.
+  0. The settings: `Config`, one field per setting with its help, and the tables a run's values are looked up in.
   1. The paper: Eq. 3-6, Step 1's loop (`reconstruct`), Step 2's loop (`train_task`), Eq. 1-2. Plain functions.
   2. A run: `step1` and `step2` build those loops' values from a Config, each departure from the paper one named
      `if` line where it acts (the filter's in `run_continual`); `run_continual` is the task loop.
   3. The departures, one function each, numbered as in docs/departures.md; the controls (inversion, stored images).
   4. Judging a reconstruction (SSIM, App. D.5) and Sec. 4.3's search, which Step 1 calls directly.
-  5. The command line: a run's values looked up (`resolve`), the checks, the result files, `main`.
-The continual-learning methods (EWC, ER, ...) are hooks in strategies.py, each an entry of STRATEGIES like
+  5. The command line: a run's values looked up (`resolve`), the checks, `main`.
+The methods (EWC, ER, ...) are hooks in strategies.py, each an entry of STRATEGIES like
   "ewc": {"hooks": {"extra_loss": ewc_loss, "after_task": ewc_after_task},
           "hyperparameters": {"ewc_lambda": (DEFAULT, MEANING, TEST)}, "grid": {"ewc_lambda": [VALUES]}}
-with its tuned values in TUNED[scenario]["ewc"] = {"alone": {...}, "recl": {...}}; networks in models.py, data in
-data.py.
-`python tools/see_eq3_work.py` shows Step 1 giving training images back in the regime the theory is about.
+with its tuned values in TUNED[scenario]["ewc"] = {"alone": {...}, "recl": {...}}. Networks are in models.py; the
+data and the result files in data.py. `python tools/see_eq3_work.py` shows Step 1 reading training images back.
 
 `--paper` (PAPER) switches every departure off and trains at the method's own budget. It keeps these choices, on in
 every run, that the paper's reference code (Buzaglo et al. 2023) makes or its text leaves open: Eq. 4 and 5 as
@@ -50,30 +49,27 @@ import strategies
 
 # ==== 0. The settings ================================================================================================
 
-
 def setting(default, help, low=None, high=None, above=None, choices=None, kind=None, flag=True):
     """A Config field: its default, its help, and what a flag may give it (low <= v, above < v, v <= high)."""
     return dataclasses.field(default=default, metadata=dict(help=help, low=low, high=high, above=above,
                                                             choices=choices, kind=kind, flag=flag))
 
 
-def per_class(text):  # --n-per-class
-    return text if text == "all" else int(text)
+per_class = lambda text: text if text == "all" else int(text)  # --n-per-class
 COUNT = dict(above=0, high=100_000)  # far beyond any study here, far short of forever
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Every value one run uses; the defaults are the MLP's +ReCL run on SplitMNIST, but for the lr, epochs and own
-    hyperparameters each method tunes (strategies.TUNED). The fields from `m` to `trials` are the replay arm's: None
-    for the method alone (and those of Eq. 3-5 for the controls, which skip them)."""
+    """Every value one run uses. The defaults are the MLP's +ReCL run on SplitMNIST, but for the lr, epochs and
+    hyperparameters each method tunes (strategies.TUNED). The replay arm's fields, `m` to `trials`, are None for the
+    method alone (and those of Eq. 3-5 for the controls, which skip them)."""
     # what runs
     dataset: str = setting("mnist", "mnist (shipped), fashion-mnist, cifar10, or a .pt")
-    scenario: str = setting("cil", "class-incremental (a growing head) or domain-incremental (one head)",
-                            choices=["cil", "dil"])
+    scenario: str = setting("cil", "class-incremental (a growing head) or domain-incremental", choices=["cil", "dil"])
     method: str = setting("finetune", "the continual-learning method", choices=list(strategies.STRATEGIES))
-    variant: str = setting("base", "base (the method alone), or what it replays: recl (Eq. 3), inversion, real "
-                           "or centroids", flag=False)  # the flags are --variant and --replay-source
+    variant: str = setting("base", "base (the method alone), or what it replays: recl, inversion, real or centroids",
+                           flag=False)  # its flags are --variant and --replay-source
     model: str = setting("mlp", "the paper's MLP or CNN, or the non-homogeneous AlexNet or ResNet18",
                          choices=models.MODELS)
     seed: int = setting(0, "first seed: class order, init and shuffles", low=0)
@@ -86,38 +82,37 @@ class Config:
     lr: float = setting(0.05, "SGD learning rate", above=0, high=10.0)
     epochs: int = setting(20, "epochs per task", above=0, high=10_000)
     batch_size: int = setting(64, "training batch size", above=0)
-    ce_scope: str = setting("all", "CIL, departure 8: the task's own images scored over all classes, over its new "
-                            "classes only (new), or also the replayed ones over the old only (local)",
-                            choices=["all", "new", "local"])  # a departure, but the method alone takes it too
+    ce_scope: str = setting("all", "CIL, departure 8 (the method alone takes it too): the task's own images scored "
+                            "over all classes, its new ones (new), and replay over the old (local)",
+                            choices=["all", "new", "local"])
     hp: dict = dataclasses.field(default_factory=dict)  # the method's own hyperparameters (strategies.py), by --hp
-    # reconstruction (Step 1) and replay: the replay arms' fields, m to trials (RECL_FIELDS; a new departure's here)
-    m: int | None = setting(None, "candidates per old class (in DIL per class and old task); "
-                            "default: as many as training images per class", kind=int, **COUNT)
+    # reconstruction (Step 1) and replay: the replay arm's fields, m to trials (RECL_FIELDS; a new departure's here)
+    m: int | None = setting(None, "candidates per old class (DIL: per class and old task); default: --n-per-class",
+                            kind=int, **COUNT)
     n_rec: int | None = setting(100, "reconstruction steps before each task", **COUNT)
     sigma_x: float | None = setting(1e-3, "std of the initial random candidates", above=0, high=10.0)
     lr_x: float | None = setting(3.0, "step size of the candidates", above=0, high=1000.0)
     lr_lambda: float | None = setting(0.1, "step size of the lambdas", above=0, high=1000.0)
     lambda_min: float | None = setting(0.05, "Eq. 4 pushes each lambda_i above this", above=0, high=1000.0)
     alpha: float | None = setting(100.0, "sharpness of the smooth ReLU's backward", above=0, high=1e6)
-    rec_target: str | None = setting("displacement", "departure 1: what Eq. 3 fits, theta - theta_0 or theta "
-                                     "as written (weights)", choices=["weights", "displacement"])
+    rec_target: str | None = setting("displacement", "departure 1: Eq. 3 fits theta - theta_0, or theta (weights)",
+                                     choices=["weights", "displacement"])
     freeze_old: bool | None = setting(True, "departure 2: classes reconstructed before keep their candidates")
     filter: bool | None = setting(True, "departure 3: replay only candidates the model files under their label")
-    replay_noise: float | None = setting(2.5, "departure 4: std of fresh noise on replayed rows, in pixel stds",
-                                         low=0, high=100.0)
-    ce_weight: float | None = setting(3e-4, "departure 5: weight of inversion's cross-entropy added to Eq. 6",
-                                      low=0, high=1e6)
+    replay_noise: float | None = setting(2.5, "departure 4: std of fresh noise on replay, in pixel stds", low=0,
+                                         high=100.0)
+    ce_weight: float | None = setting(3e-4, "departure 5: weight of inversion's cross-entropy added to Eq. 6", low=0,
+                                      high=1e6)
     rec_optimizer: str | None = setting("sgd", "departure 6: the candidates' optimiser", choices=["sgd", "adam"])
-    replay_batch: int | None = setting(0, "departure 9: reconstructions drawn into each batch of the task's "
-                                       "own images; 0: they join the task's data", low=0, high=100_000)
-    budget: str | None = setting("recl", "the method's lr, epochs, hp: its +ReCL variant's (recl) or its own "
-                                 "(alone); --budget recl on the method alone trains it as +ReCL trains, no replay",
-                                 choices=["alone", "recl"])
+    replay_batch: int | None = setting(0, "departure 9: reconstructions in each batch of the task's images; 0: they "
+                                       "join the task's data", low=0, high=100_000)
+    budget: str | None = setting("recl", "the method's lr, epochs, hp: its +ReCL arm's (recl) or its own (alone); "
+                                 "recl on the method alone: no replay, +ReCL's training", choices=["alone", "recl"])
     rec_precision: str | None = setting("float32", "number format of the reconstruction's products",
                                         choices=["float32", "bfloat16"])
     tuning: str | None = setting("naive", "Sec. 4.3: the run's values, or a search per task scored by the final "
-                                 "L_full (unsup) or by SSIM to a few stored real images (sup)",
-                                 choices=["naive", "unsup", "sup"])
+                                 "L_full (unsup) or by SSIM to a few stored images (sup)", choices=["naive", "unsup",
+                                                                                                    "sup"])
     trials: int | None = setting(None, "the search's trials per task (default: 10)", kind=int, above=0, high=1000)
     paper: bool = setting(False, "the paper as written: every departure off, the method's own training budget")
     # where
@@ -145,8 +140,8 @@ NETWORKS = {"mlp": {"cil": {}, "dil": {"ce_weight": 0.0}},
                     "dil": {**CONV, "replay_noise": 1.0, "ce_weight": 0.0}},
             "resnet18": {"cil": RESNET, "dil": {**RESNET, "ce_weight": 0.0}}}
 NETWORKS["alexnet"] = {scenario: {**values, "budget": "alone"} for scenario, values in NETWORKS["cnn"].items()}
-# From strategies.py a run takes only: TUNED, each method's lr, epochs and own hyperparameters, alone and at +ReCL's
-# budget; and ARMS, the few per-arm values (GPM replays without noise, ER keeps cross-entropy over all classes).
+# From strategies.py a run takes TUNED (each method's lr, epochs and own hyperparameters, alone and at +ReCL's budget)
+# and ARMS (a few per-arm values: GPM replays without noise, ER keeps cross-entropy over all classes).
 
 # ==== 1. The paper ===================================================================================================
 #
@@ -207,30 +202,21 @@ def margins(model, params, x, y):
     best_other = logits.scatter(1, y[:, None], float("-inf")).amax(1)
     return own - best_other
 
-
 def weighted_gradient_sum_vmap(model, params, x, y, lam):
-    """(1/n) sum_i lambda_i grad_theta Phi(theta; x_i) as written, one gradient per candidate:
-    the reference the fast form below is tested against."""
-    def margin_of_one(p, xi, yi):
-        return margins(model, p, xi[None], yi[None])[0]
-
+    """(1/n) sum_i lambda_i grad_theta Phi(theta; x_i) as written, one gradient per candidate: the reference the fast
+    form below is tested against."""
+    margin_of_one = lambda p, xi, yi: margins(model, p, xi[None], yi[None])[0]
     per_candidate = vmap(grad(margin_of_one), in_dims=(None, 0, 0))(params, x, y)
     return {k: torch.tensordot(lam, g, dims=1) / len(x) for k, g in per_candidate.items()}
 
-
 def weighted_gradient_sum(model, params, x, y, lam, n=None):
-    """The same sum in one backward pass, as a gradient is linear: grad sum_i lambda_i Phi(x_i),
-    differentiable in x and lambda. Divided by n, all candidates, also when `x` is some of them."""
-    def weighted_margins(p):
-        return (lam * margins(model, p, x, y)).sum() / (n or len(x))
-
-    return grad(weighted_margins)(params)
-
+    """The same sum in one backward pass, as a gradient is linear: grad sum_i lambda_i Phi(x_i), differentiable in x
+    and lambda. Divided by n, all candidates, also when `x` is some of them."""
+    return grad(lambda p: (lam * margins(model, p, x, y)).sum() / (n or len(x)))(params)
 
 def image_prior(x):
     """L_prior (Eq. 5): keep every pixel of the candidates inside [-1, 1]."""
     return F.relu(x.abs() - 1).pow(2).sum()
-
 
 def stationarity_loss(model, params, labels, target, lambda_min, n=None, scale=1.0):
     """L_full (Eq. 6) of candidates x and lambdas, term by term; `target` is theta in Eq. 3."""
@@ -241,22 +227,20 @@ def stationarity_loss(model, params, labels, target, lambda_min, n=None, scale=1
                 "prior": image_prior(x)}                                                          # Eq. 5
     return loss
 
-
 def candidate_labels(n_outputs, m, n_old_tasks, scenario):
     """Fixed labels, m per old class (Sec. 4.2); in DIL tasks share labels, so m per class per task."""
     return torch.arange(n_outputs).repeat_interleave(m * (1 if scenario == "cil" else n_old_tasks))
 
-
 def random_start(n, input_shape, sigma_x, seed):
-    """x_i ~ N(0, sigma_x^2 I) (Sec. 4.1) and lambda_i ~ U(0, 1), the same draw for a seed: before every task
-    slot i starts from the same noise (with departure 2 the earlier classes' slots are then overwritten)."""
+    """x_i ~ N(0, sigma_x^2 I) (Sec. 4.1) and lambda_i ~ U(0, 1), the same draw for a seed: before every task slot i
+    starts from the same noise (with departure 2 the earlier classes' slots are then overwritten)."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(n, *input_shape, generator=gen) * sigma_x, torch.rand(n, generator=gen)
 
-
 def reconstruct(L_full, x, lam, optimizers, steps, log=print):
-    """Step 1 (Sec. 4.1): `steps` steps of the optimisers on L_full(x, lam) (Eq. 6), in place.
-    Returns the candidates and lambdas of the lowest loss seen and a report."""
+    """Step 1 (Sec. 4.1): `steps` steps of the optimisers on L_full(x, lam) (Eq. 6), in place. Returns the candidates
+    and lambdas of the lowest loss seen, and a report: the loss at the start, kept and last, and why the
+    reconstruction failed, if it did (it diverged, or no step lowered the loss)."""
     losses, best = [], None
     for step in range(steps + 1):  # the last pass only scores the last step
         with torch.set_grad_enabled(step < steps):
@@ -277,31 +261,21 @@ def reconstruct(L_full, x, lam, optimizers, steps, log=print):
             loss.backward()
             for opt in optimizers:
                 opt.step()
-    if best is None:  # not even the start has a finite loss: hand back the start, flagged
-        best = (losses[0], x.detach(), lam.detach(), first_terms)
-    return best[1], best[2], reconstruction_report(losses, best, first_terms)
-
-
-class Diverged(Exception):  # a non-finite training loss: the run's numbers would be meaningless
-    pass
-
-
-
-def reconstruction_report(losses, best, first_terms):
-    """The loss at the start, of the kept candidates and of the last step; and why the
-    reconstruction failed, if it did: it diverged, or no step lowered the loss."""
+    best = best or (losses[0], x.detach(), lam.detach(), first_terms)  # not even the start is finite: flagged below
     first, last = losses[0], losses[-1]
     failed = (f"diverged at step {len(losses) - 1}" if not math.isfinite(last)
               else f"diverged: the last step's loss {last:.4g} is above the start's {first:.4g}" if last > first
               else "no step lowered the loss" if best[0] >= first else None)
-    return {"steps": len(losses) - 1, "first_loss": first, "kept_loss": best[0], "last_step_loss": last,
-            "first_terms": {k: v.item() for k, v in first_terms.items()},
-            "kept_terms": {k: v.item() for k, v in best[3].items()}, "failed": failed}
+    return best[1], best[2], {"steps": len(losses) - 1, "first_loss": first, "kept_loss": best[0],
+                              "last_step_loss": last, "first_terms": {k: v.item() for k, v in first_terms.items()},
+                              "kept_terms": {k: v.item() for k, v in best[3].items()}, "failed": failed}
 
+class Diverged(Exception):
+    """A non-finite training loss: the run's numbers would be meaningless."""
 
 def train_task(model, batches, loss_of, optimizer, epochs, hooks, state):
-    """Step 2 (Sec. 4.2): SGD on cross-entropy, which the strategy's hooks extend (on every batch, replayed rows
-    too). `batches()` draws one epoch of (x, y, replayed) batches; returns the last epoch's mean loss."""
+    """Step 2 (Sec. 4.2): SGD on cross-entropy, which the strategy's hooks extend (on every batch, replayed rows too).
+    `batches()` draws one epoch of (x, y, replayed) batches; returns the last epoch's mean loss."""
     model.train()
     for epoch in range(epochs):
         total, seen = 0.0, 0
@@ -314,34 +288,29 @@ def train_task(model, batches, loss_of, optimizer, epochs, hooks, state):
             if "after_backward" in hooks:
                 hooks["after_backward"](model, state)
             optimizer.step()
-            value = loss.item()
-            if not math.isfinite(value):  # nothing useful can follow: stop here and say where
+            if not math.isfinite(value := loss.item()):  # nothing useful can follow: stop here and say where
                 raise Diverged(f"training loss {value} in epoch {epoch + 1}")
             total, seen = total + value * len(xb), seen + len(xb)
     return total / max(seen, 1)
-
 
 def cross_entropy(model, xb, yb, replayed):
     """The paper's loss: every row scored over every class."""
     logits = model(xb)
     return logits, F.cross_entropy(logits, yb)
 
-
 def acc_and_bwt(R):
-    """R[t][i]: test accuracy (percent) on task i after training task t. ACC = mean_i R[T, i]
-    (Eq. 1); BWT = mean_{i<T} R[T, i] - R[i, i] (Eq. 2)."""
+    """R[t][i]: test accuracy (percent) on task i after training task t. ACC = mean_i R[T, i] (Eq. 1);
+    BWT = mean_{i<T} R[T, i] - R[i, i] (Eq. 2)."""
     T = len(R)
     acc = sum(R[T - 1][i] for i in range(T)) / T
     bwt = sum(R[T - 1][i] - R[i][i] for i in range(T - 1)) / (T - 1) if T > 1 else 0.0
     return acc, bwt
-
 
 @torch.no_grad()
 def accuracy(model, x, y, batch_size=1000):
     model.eval()
     correct = sum((model(xb).argmax(1) == yb).sum().item() for xb, yb in zip(x.split(batch_size), y.split(batch_size)))
     return 100.0 * correct / len(x)
-
 
 
 # ==== 2. A run: the values each loop takes, and the task loop ========================================================
@@ -377,19 +346,12 @@ def step1(model, old_tasks, cfg, last=None, log=print):
     return x, labels, lam, {"candidates": len(x), "optimised": int((~fixed).sum()), "rec_scale": float(scale),
                             **report}
 
-
-def shuffled_rows(x, batch_size, seed):
-    """Each call draws a new order of every row, the task's own and the reconstructions alike (a shuffling
-    DataLoader seeded by the run's seed: each epoch a new order)."""
-    loader = data.loader(torch.arange(len(x), device=x.device), torch.zeros(len(x)), batch_size, seed=seed)
-    return lambda: (rows for rows, _ in loader)
-
-
 def step2(task, x_rec, y_rec, cfg, n_old_classes):
     """Step 2 for a run: the task's images with the reconstructions last, as batches and a loss.
     Returns batches(), the loss, and batches without replay noise (for batch norm's statistics)."""
     x, y, own = torch.cat([task.x_train, x_rec]), torch.cat([task.y_train, y_rec]), len(task.x_train)
-    rows = shuffled_rows(x, cfg.batch_size, cfg.seed)                      # the paper: one shuffled set
+    loader = data.loader(torch.arange(len(x), device=x.device), torch.zeros(len(x)), cfg.batch_size, seed=cfg.seed)
+    rows = lambda: (r for r, _ in loader)                                  # the paper: one set, shuffled each epoch
     if cfg.replay_batch and own < len(x):                                  # departure 9: replay in every batch
         rows = replay_in_every_batch(x, own, cfg.batch_size, cfg.replay_batch, cfg.seed)
     clean = lambda: ((x[r], y[r], r >= own) for r in rows())  # (images, labels, which are replayed)
@@ -402,9 +364,8 @@ def step2(task, x_rec, y_rec, cfg, n_old_classes):
         loss = lambda model, xb, yb, replayed: scoped_cross_entropy(model, xb, yb, replayed, n_old_classes, scope)
     return batches, loss, clean
 
-
 def run_continual(cfg, tasks, log=print, mean_image=None, judge=False, image_path=None):
-    """Train one model through all tasks, with its replay variant unless cfg.variant is "base"; its record.
+    """Train one model through all tasks, with its replay arm unless cfg.variant is "base"; its record.
     `judge`: score each reconstruction against the real old images (part 4), which training never sees."""
     if cfg.method == "joint":  # the upper bound: no stream of tasks
         return run_jointly(cfg, tasks, log)
@@ -431,7 +392,8 @@ def run_continual(cfg, tasks, log=print, mean_image=None, judge=False, image_pat
             if cfg.filter:  # departure 3: drop those the model (of the old classes) files under another class
                 keep = classified_as_labelled(model, x_rec, y_rec)
                 x_rec, y_rec = x_rec[keep], y_rec[keep]
-            reconstructions.append(noted(report, t, len(x_rec), start, name, log))
+            reconstructions.append({"task": t + 1, **report, "kept": len(x_rec), "seconds": round(time.time() - start, 2)})
+            log(f"  [{name}] task {t + 1}: " + said(reconstructions[-1]))
             if judge and len(x_rec):
                 quality.append(report_reconstruction(name, tasks[:t], x_rec, y_rec, cfg, mean_image, image_path, log))
         if cfg.scenario == "cil":
@@ -444,8 +406,8 @@ def run_continual(cfg, tasks, log=print, mean_image=None, judge=False, image_pat
             diverged = f"{err} of task {t + 1} (lr {cfg.lr:g})"
             log(f"  [{name}] task {t + 1}: diverged, {err}")
             break
-        # Batch norm (ResNet18) evaluates with running statistics that a task's few dozen steps barely move
-        # from their start: re-estimate them with the final weights, on the rows it trained on (no-op without it).
+        # Batch norm (ResNet18) evaluates with running statistics that a task's few dozen steps barely move from their
+        # start: re-estimate them with the final weights, on the rows it trained on (no-op without it).
         torch.optim.swa_utils.update_bn(((xb,) for xb, _, _ in clean()), model)
         model.eval()  # strategies look at the trained model (fixed batch-norm statistics, no dropout)
         if "after_task" in hooks:
@@ -457,11 +419,19 @@ def run_continual(cfg, tasks, log=print, mean_image=None, judge=False, image_pat
             f"acc {' '.join(f'{a:.1f}' for a in R[t][:t + 1])}")
     if diverged is None and reconstructions and all(r["failed"] for r in reconstructions):
         diverged = "every reconstruction failed (the reconstruction settings; see each one's \"failed\")"
-    acc, bwt = acc_and_bwt(R) if diverged is None else (None, None)
-    record = record_of(cfg, R, acc, bwt, diverged, reconstructions, quality, started)
     held = 0 if last is None else len(last[0].unique(dim=0)) if cfg.variant == "centroids" else len(last[0])
-    return {**record, "stored_images": held}  # what the arm holds before the last task: a centroid counts once
+    # stored_images: what the arm holds before the last task (a centroid counts once)
+    return {**record_of(cfg, R, diverged, reconstructions, quality, started),
+            "stored_images": held}
 
+def said(r):
+    """What the reconstruction before a task did, in a line."""
+    if "first_loss" not in r:  # a stored control: nothing was optimised
+        return f"replays {r['kept']}/{r['candidates']} stored images"
+    left = (f", Eq. 3 leaves {r['kept_terms']['rec']:.0%} of |theta - theta_0|^2 unexplained"  # departure 1
+            if r["rec_scale"] != 1.0 and "rec" in r["kept_terms"] else "")
+    return (f"reconstructed {r['kept']}/{r['candidates']}, loss {r['first_loss']:.4g} -> {r['kept_loss']:.4g}{left}"
+            + (f", FLAGGED: {r['failed']} (kept its lowest-loss candidates)" if r["failed"] else ""))
 
 def run_jointly(cfg, tasks, log=print):
     """The upper bound (`--method joint`): one model on every task's images at once; no BWT."""
@@ -472,17 +442,27 @@ def run_jointly(cfg, tasks, log=print):
     model = models.build_model(cfg.model, tasks[0].x_train.shape[1:], n_outputs).to(cfg.device)
     every = data.Task(None, torch.cat([t.x_train for t in tasks]), torch.cat([t.y_train for t in tasks]), None, None)
     batches, loss_of, clean = step2(every, every.x_train[:0], every.y_train[:0], cfg, 0)
-    acc, row, diverged = None, None, None
+    row, diverged = None, None
     try:
         loss = train_task(model, batches, loss_of, torch.optim.SGD(model.parameters(), lr=cfg.lr), cfg.epochs, {}, {})
         torch.optim.swa_utils.update_bn(((xb,) for xb, _, _ in clean()), model)
         row = [accuracy(model, t.x_test, t.y_test) for t in tasks]
-        acc = sum(row) / len(row)
         log(f"  [joint] all {len(tasks)} tasks at once: loss {loss:.3f}, acc {' '.join(f'{a:.1f}' for a in row)}")
     except Diverged as err:
         diverged = f"{err} (lr {cfg.lr:g})"
         log(f"  [joint] diverged, {err}")
-    return record_of(cfg, [row], acc, None, diverged, [], [], started)
+    return record_of(cfg, [row], diverged, [], [], started)
+
+def record_of(cfg, R, diverged, reconstructions, quality, started):
+    """A run's record: its accuracy matrix, ACC and BWT (None if it diverged; joint has no BWT), and what each
+    reconstruction did."""
+    acc, bwt = (None, None) if diverged else acc_and_bwt(R) if len(R) > 1 else (sum(R[0]) / len(R[0]), None)
+    return {"method": cfg.method, "variant": cfg.variant, "recl": cfg.variant != "base", "scenario": cfg.scenario,
+            "seed": cfg.seed, "acc_matrix": R, "ACC": acc, "BWT": bwt, "diverged": diverged,
+            "reconstructions": reconstructions, "recon_quality": quality,
+            "failed_reconstructions": sum(bool(r["failed"]) for r in reconstructions),
+            "seconds": round(time.time() - started, 2),
+            "phase_seconds": {"reconstruct": round(sum(r["seconds"] for r in reconstructions), 2)}}
 
 
 # ==== 3. The departures from the paper, and the controls =============================================================
@@ -500,7 +480,6 @@ def displacement_target(params, model):
     displacement = {k: params[k] - start[k] for k in params}
     return displacement, 1.0 / sum(v.pow(2).sum() for v in displacement.values()).clamp_min(1e-30)
 
-
 # Departure 2, freeze old (`--freeze-old`). Paper: every candidate starts from noise before every task. Here: the
 # slots of a class read before keep those candidates and lambdas, fixed. Why: reading a class again from a model
 # trained on its reconstructions compounds errors.
@@ -513,19 +492,16 @@ def keep_earlier(labels, x, lam, earlier_x, earlier_labels, earlier_lam):
         x[slots[:n]], lam[slots[:n]], fixed[slots[:n]] = earlier_x[earlier[:n]], earlier_lam[earlier[:n]], True
     return fixed
 
-
 def less_share_of(net, params, target, x, labels, lam, n):
     """Fixed candidates add a constant to Eq. 3's sum: take it off the target once."""
     share = weighted_gradient_sum(net, params, x, labels, lam, n)
     return {k: target[k] - share[k] for k in target}
-
 
 # Departure 3, filter (`--filter`). Paper: every reconstruction is replayed. Here: those the model files under another
 # class are dropped. Why: they would teach the wrong boundary (App. D.5 suggests filtering).
 @torch.no_grad()
 def classified_as_labelled(model, x, y):
     return model.eval()(x).argmax(1) == y
-
 
 # Departure 4, replay noise (`--replay-noise`). Paper: reconstructions are replayed as they are. Here: each time one
 # enters a batch it gets fresh noise N(0, s^2), s = replay_noise times the task's pixel std. Why: the network then
@@ -534,10 +510,9 @@ def with_noise(batches, std, device, seed):
     gen = torch.Generator(device=device).manual_seed(seed)
     if std <= 0:
         return batches
-    return lambda: ((xb + replayed.view(-1, *[1] * (xb.dim() - 1)) * std * torch.randn(xb.shape, generator=gen,
-                                                                                         device=device), yb, replayed)
-                    for xb, yb, replayed in batches())
-
+    noise = lambda xb, replayed: replayed.view(-1, *[1] * (xb.dim() - 1)) * std * torch.randn(
+        xb.shape, generator=gen, device=device)
+    return lambda: ((xb + noise(xb, replayed), yb, replayed) for xb, yb, replayed in batches())
 
 # Departure 5, inversion term (`--ce-weight`). Paper: Eq. 6 alone. Here: plus ce_weight times the candidates' summed
 # cross-entropy. Why: in CIL, Eq. 3 alone loses to model inversion; a little of it draws level.
@@ -545,12 +520,10 @@ def plus_inversion_term(L_full, net, params, labels, weight):
     return lambda x, lam: {**L_full(x, lam), "ce": weight * F.cross_entropy(functional_call(net, params, (x,)),
                                                                             labels, reduction="sum")}
 
-
 # Departure 6, Adam (`--rec-optimizer adam`). Paper: SGD (with momentum, part 1). Here: Adam with DeepInversion's
 # betas. Why: on deep nets SGD's step follows a gradient whose size spans orders of magnitude.
 def adam(tensor, lr):
     return torch.optim.Adam([tensor], lr=lr, betas=(0.5, 0.9))
-
 
 # Departure 8, local cross-entropy (`--ce-scope new` or `local`, CIL). Paper: every row is scored over every class.
 # Here, "new": the task's own rows over its new classes only; "local": the replayed rows over the old classes only too,
@@ -569,7 +542,6 @@ def scoped_cross_entropy(model, xb, yb, replayed, n_old_classes, scope):
     grouped = logits.masked_fill(torch.where(own, old, ~old), float("-inf"))
     return logits, F.cross_entropy(grouped, yb) + F.cross_entropy(model.head(seen[0].detach()), yb)
 
-
 # Departure 9, replay batch (`--replay-batch N`). Paper: the reconstructions join the task's data. Here: an epoch
 # passes over the task's own images and each batch gets N reconstructions drawn at random. Why: the share of replay
 # in a batch and an epoch's cost then stay fixed from task to task.
@@ -579,7 +551,6 @@ def replay_in_every_batch(x, own, batch_size, n, seed):
     return lambda: (torch.cat([rows, own + torch.randint(len(x) - own, (n,), generator=gen, device=x.device)])
                     for rows, _ in loader)
 
-
 # The inversion control (`--replay-source inversion`): is it Eq. 3 that makes the candidates useful, or would any
 # optimisation that makes the model recognise them as their labels do? Model inversion (Simonyan et al. 2014) asks
 # only the second: L_inv = sum_i CE(f(x_i), y_i) + L_prior, with the same candidates, optimiser, steps, filter and
@@ -587,7 +558,6 @@ def replay_in_every_batch(x, own, batch_size, n, seed):
 def inversion_loss(net, params, labels):
     return lambda x, lam: {"ce": F.cross_entropy(functional_call(net, params, (x,)), labels, reduction="sum"),
                            "prior": image_prior(x)}
-
 
 # The stored controls (`--replay-source real` or `centroids`): where is the ceiling of any replay here, and what
 # would a memory of class statistics give? `real` keeps m of each class's own training images (a buffer as large as
@@ -601,7 +571,6 @@ def stored_images(task, m, centroids, seed):
         xs.append(rows.mean(0, keepdim=True).expand(len(pick), *rows.shape[1:]) if centroids else rows[pick])
         ys.append(torch.full((len(pick),), int(c), dtype=task.y_train.dtype, device=rows.device))
     return torch.cat(xs), torch.cat(ys)
-
 
 
 # ==== 4. Judging a reconstruction, and Sec. 4.3's search =============================================================
@@ -622,12 +591,10 @@ def ssim(a, b, window=11, sigma=1.5):
     index = (2 * mu_a * mu_b + c1) * (2 * cov + c2) / ((mu_a ** 2 + mu_b ** 2 + c1) * (var_a + var_b + c2))
     return index.flatten(1).mean(1)
 
-
 def standardise(images):
     """Each image minus the set's mean image, divided by the set's spread around it."""
     centred = images - images.mean(0)
     return centred / centred.std().clamp_min(1e-12)
-
 
 def as_picture(x, mean_image):
     """Undo the mean subtraction and stretch each image to [0, 1]."""
@@ -635,18 +602,15 @@ def as_picture(x, mean_image):
     low, high = (m.view(-1, *[1] * (x.dim() - 1)) for m in x.flatten(1).aminmax(dim=1))
     return (x - low) / (high - low).clamp_min(1e-12)
 
-
 def on_reference_scale(candidates, reference):
     """Standardised candidates with the reference set's mean image and spread."""
     return standardise(candidates) * (reference - reference.mean(0)).std() + reference.mean(0)
-
 
 def reconstruction_quality(reference, candidates, mean_image):
     """SSIM of every reference image with its nearest candidate (L2, each set standardised), and which that is."""
     nearest = torch.cdist(standardise(reference).flatten(1), standardise(candidates).flatten(1)).argmin(1)
     shown = on_reference_scale(candidates, reference)[nearest]
     return ssim(as_picture(reference, mean_image), as_picture(shown, mean_image)), nearest
-
 
 def save_pairs(path, reference, candidates, nearest, mean_image, n=32):
     """A PNG of rows of real images, each row over their nearest candidates."""
@@ -657,7 +621,6 @@ def save_pairs(path, reference, candidates, nearest, mean_image, n=32):
     rows = [t for pair in zip(real.split(16), found.split(16)) for t in pair]
     save_image(torch.cat(rows).cpu(), path, nrow=16, padding=1, pad_value=1.0)
 
-
 def report_reconstruction(name, old_tasks, x_rec, y_rec, cfg, mean_image, image_path=None, log=print):
     """SSIM of the old real images with their nearest reconstructions, beside a floor (the random candidates they
     started from) and a ceiling (held-out real images of the old classes: look-alikes, not copies); and the
@@ -665,17 +628,16 @@ def report_reconstruction(name, old_tasks, x_rec, y_rec, cfg, mean_image, image_
     Positive, it read those samples; about 0, what the class shares (a prototype). With `image_path` (RUN.json),
     RUN-taskT.png shows real images over their nearest reconstructions, RUN-taskT.pt holds the candidates."""
     real, held_out = torch.cat([t.x_train for t in old_tasks]), torch.cat([t.x_test for t in old_tasks])
-    mean_image = mean_image.to(real.device)
-    start = torch.randn(len(x_rec), *real.shape[1:], generator=torch.Generator().manual_seed(cfg.seed)) * (
-        cfg.sigma_x or 0.0)  # recl.random_start's draw (the stored arms start from none)
-    pick = torch.randperm(len(held_out), generator=torch.Generator().manual_seed(cfg.seed))[:len(x_rec)]
-    (found, nearest), (floor, _) = (reconstruction_quality(real, c, mean_image) for c in (x_rec, start.to(real.device)))
-    ceiling, _ = reconstruction_quality(real, held_out[pick.to(held_out.device)], mean_image)
+    mean_image, draw = mean_image.to(real.device), lambda: torch.Generator().manual_seed(cfg.seed)
+    start = random_start(len(x_rec), real.shape[1:], cfg.sigma_x or 0.0, cfg.seed)[0]  # the stored arms: from none
+    pick = torch.randperm(len(held_out), generator=draw())[:len(x_rec)].to(held_out.device)
+    (found, nearest), (floor, _), (ceiling, _) = (reconstruction_quality(real, c, mean_image) for c in (
+        x_rec, start.to(real.device), held_out[pick]))
     q = {"task": len(old_tasks) + 1}
     for prefix, scores in (("", found), ("init_", floor), ("real_", ceiling)):
         q[prefix + "mean_ssim"] = scores.mean().item()
         q[prefix + "frac_ssim_above_0_4"] = (scores > 0.4).float().mean().item()
-    n, gen = min(len(real), len(held_out)), torch.Generator().manual_seed(cfg.seed)
+    n, gen = min(len(real), len(held_out)), draw()
     own, unseen = (s[torch.randperm(len(s), generator=gen)[:n].to(s.device)] for s in (real, held_out))
     q["ssim_to_training"], q["ssim_to_held_out"] = (reconstruction_quality(x_rec, s, mean_image)[0].mean().item()
                                                     for s in (own, unseen))
@@ -692,12 +654,10 @@ def report_reconstruction(name, old_tasks, x_rec, y_rec, cfg, mean_image, image_
         log(f"  [{name}] task {q['task']}: images in {path} and {path.with_suffix('.pt')}")
     return q
 
-
 # Sec. 4.3: naive takes the run's own values. unsup: a random search before each task, keeping the trial with the
 # lowest final L_full; sup: scored by SSIM to a few stored real old images. Trial 1 is the run's own values; each other
 # draw is log-uniform within a factor of them, where App. B.3 gives fixed ranges (docs/departures.md).
 SEARCH_SPACE = {"sigma_x": 10.0, "lr_x": 10.0, "lr_lambda": 10.0, "lambda_min": 3.0, "alpha": 3.0}
-
 
 def search_reconstruction(model, old_tasks, cfg, last=None, log=print, mean_image=None):
     """Step 1 `cfg.trials` times with drawn values; the reconstruction scored highest (ties: the earlier)."""
@@ -719,19 +679,19 @@ def search_reconstruction(model, old_tasks, cfg, last=None, log=print, mean_imag
         x, y, lam, report = step1(model, old_tasks, dataclasses.replace(cfg, **hp), last, log)
         useless = not math.isfinite(report["kept_loss"]) or report["kept_loss"] >= report["first_loss"]
         value = -math.inf if useless else score(x, report)
-        ranked = value if math.isfinite(value) else -math.inf
         log(f"    trial {i + 1}/{cfg.trials}: " + " ".join(f"{k} {v:.3g}" for k, v in hp.items())
             + f" -> score {value:.4g}")
+        ranked = value if math.isfinite(value) else -math.inf
         if best is None or ranked > best[0]:
             best = (ranked, (x, y, lam, {**report, "hyperparameters": hp, "score": value}))
     return best[1]
 
 
-# ==== 5. The command line: a run's values, the checks, the records ====================================================
+# ==== 5. The command line: a run's values, the checks, main ==========================================================
 
 def resolve(args, seed, variant):
     """One run's Config from the command line's `args` (None: not given), looked up in a fixed order, each source over
-    those before: Config's defaults, the network's (NETWORKS, replay variants), the method's at the run's budget
+    those before: Config's defaults, the network's (NETWORKS, replay arms), the method's at the run's budget
     (strategies.TUNED, ARMS), --paper's (PAPER), the control's (CONTROL, STORED), the flags given. Then the values that
     depend on others, each a named `retune` line that never overrides a flag."""
     method, scenario, model, replay = args.method, args.scenario, args.model, variant != "base"
@@ -746,19 +706,14 @@ def resolve(args, seed, variant):
     paper = replay and bool(given.get("paper"))
     tuned = replay and not paper  # a replay arm with the values tuned here, not the paper's
     network = NETWORKS[model][scenario] if tuned else {}
-    if "budget" in given:  # the method's lr, epochs and hyperparameters: at which budget
-        budget = given["budget"]
-    elif tuned:  # +ReCL's (the replay arms train as it does), unless the network says otherwise (AlexNet)
-        budget = network.get("budget", "recl")
-    else:  # the method alone, and under --paper
-        budget = "alone"
+    # the method's lr, epochs and hyperparameters at a budget: the flag's; else a tuned replay arm's is +ReCL's
+    # (unless the network says otherwise: AlexNet); else (the method alone, --paper) the method's own
+    budget = given.get("budget", network.get("budget", "recl") if tuned else "alone")
     own = strategies.TUNED[scenario].get(method, {})  # a method not tuned yet: Config's values
-    arm = {}  # a method's values for its replay arms: all of them, then this one
-    if tuned:
-        arm = {**strategies.ARMS.get((scenario, method), {}), **strategies.ARMS.get((scenario, method, variant), {})}
+    arm = {**strategies.ARMS.get((scenario, method), {}), **strategies.ARMS.get((scenario, method, variant), {})}
     sources = {"default": {**DEFAULTS, **strategies.defaults(method), "seed": seed, "variant": variant},
                "network": network,
-               "method": {**own.get("alone", {}), **own.get(budget, {}), **arm},  # "recl" holds what it changes
+               "method": {**own.get("alone", {}), **own.get(budget, {}), **(arm if tuned else {})},
                "paper": PAPER if paper else {},
                "control": {"inversion": CONTROL, "real": STORED, "centroids": STORED}.get(variant, {}),
                "flag": given}
@@ -798,18 +753,15 @@ def resolve(args, seed, variant):
         values["set_by"].update({k: "budget" for k in ("lr", "epochs", "ce_scope", *recl.hp) if k not in given})
     return Config(**values)
 
-
 def variants(args):
     """The variants a command runs: the method alone and its replay arm (+ReCL, or what --replay-source names)."""
     if args.method == "joint":
         return ["base"]
-    recl = SOURCES[args.replay_source or "eq3"]
-    return {None: ["base", recl], "both": ["base", recl], "base": ["base"], "recl": [recl]}[args.variant]
+    arm = SOURCES[args.replay_source or "eq3"]
+    return {None: ["base", arm], "both": ["base", arm], "base": ["base"], "recl": [arm]}[args.variant]
 
-
-class UsageError(Exception):  # bad input, printed as one line
-    pass
-
+class UsageError(Exception):
+    """Bad input, printed as one line."""
 
 class Parser(argparse.ArgumentParser):  # whole flag names only (--ou is not --out), errors in one line
     def __init__(self, *args, **kwargs):
@@ -818,14 +770,12 @@ class Parser(argparse.ArgumentParser):  # whole flag names only (--ou is not --o
     def error(self, message):
         raise UsageError(message)
 
-
-def method_hyperparameter(text):
+def method_hyperparameter(text):  # --hp KEY=NUMBER
     key, sep, value = text.partition("=")
     try:
         return key, float(value) if sep else None
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not KEY=NUMBER") from None
-
 
 def make_parser(prog="recl.py", description="Train a continual-learning method alone and with ReCL on a stream "
                 "of tasks; one JSON file per run. Defaults: Config's, NETWORKS, strategies.TUNED; a flag wins."):
@@ -853,15 +803,24 @@ def make_parser(prog="recl.py", description="Train a continual-learning method a
     p.add_argument("--dry-run", action="store_true", help="check, then print this command if a run of it is left")
     return p
 
-
 RECL_FLAGS = [k for k in RECL_FIELDS if k != "budget"] + ["paper", "replay_source", "save_images"]
 first_given = lambda a, names: next((f"--{k.replace('_', '-')}" for k in names if getattr(a, k, None) is not None), 0)
 
-
-def combinations(a):
-    """What no field can say alone: (refused when, why), for the runs asked for. Most refuse a flag no run uses."""
-    stored, alone = [*STORED, "paper"], "joint has none" if a.method == "joint" else "--variant base runs it alone"
-    return [
+def check(args, probe_out=True):
+    """Refuse, in one line, what makes no sense or would do nothing, before any work starts; args.hp becomes a dict."""
+    for f in dataclasses.fields(Config):  # each number a flag gives, within its field's range
+        value, meta, flag = getattr(args, f.name, None), f.metadata, f"--{f.name.replace('_', '-')}"
+        if value is None or isinstance(value, str) or not meta or meta["choices"]:
+            continue
+        if not math.isfinite(value):
+            raise UsageError(f"{flag} must be a finite number, got {value}")
+        for bound, bad, sign in (("above", lambda b: not value > b, ">"), ("low", lambda b: not value >= b, ">="),
+                                 ("high", lambda b: value > b, "<=")):
+            if meta[bound] is not None and bad(meta[bound]):
+                raise UsageError(f"{flag} must be {sign} {meta[bound]:g}, got {value:g}")
+    a, stored = args, [*STORED, "paper"]  # what no field can say alone: (refused when, why)
+    alone = "joint has none" if a.method == "joint" else "--variant base runs it alone"
+    for refused, why in [
         (a.seed + (a.seeds or 1) > 2 ** 31, f"--seed plus --seeds must stay below {2 ** 31}"),
         (a.seeds is not None and not 0 < a.seeds <= 1000, f"--seeds must be from 1 to 1000, got {a.seeds}"),
         (not str(a.out).strip(), "--out is empty; it must name a folder"),
@@ -882,29 +841,12 @@ def combinations(a):
          f"--dataset must be one of {', '.join(data.DATASETS)} or a .pt file, got {a.dataset!r}"),
         (a.data_root is not None and (a.dataset == "mnist" or a.dataset.endswith(".pt")),
          f"--data-root: {a.dataset} is not read from a data folder"),
-        (a.device == "cuda" and not torch.cuda.is_available(), "--device cuda: no CUDA device is available"),
-    ]
-
-
-def check(args, probe_out=True):
-    """Refuse, in one line, what makes no sense or would do nothing, before any work starts; args.hp becomes a dict."""
-    for f in dataclasses.fields(Config):  # each number a flag gives, within its field's range
-        value, meta, flag = getattr(args, f.name, None), f.metadata, f"--{f.name.replace('_', '-')}"
-        if value is None or isinstance(value, str) or not meta or meta["choices"]:
-            continue
-        if not math.isfinite(value):
-            raise UsageError(f"{flag} must be a finite number, got {value}")
-        for bound, bad, sign in (("above", lambda b: not value > b, ">"), ("low", lambda b: not value >= b, ">="),
-                                 ("high", lambda b: value > b, "<=")):
-            if meta[bound] is not None and bad(meta[bound]):
-                raise UsageError(f"{flag} must be {sign} {meta[bound]:g}, got {value:g}")
-    for refused, why in combinations(args):
+        (a.device == "cuda" and not torch.cuda.is_available(), "--device cuda: no CUDA device is available")]:
         if refused:
             raise UsageError(why)
     args.hp = strategies.check_hyperparameters(args.method, args.hp, UsageError)
     if probe_out:
         data.check_writable(args.out)
-
 
 def check_tasks(tasks, cfg):
     """Before the first task trains: a network that takes the images, the memory Step 1 will fill (about, in GiB:
@@ -935,48 +877,37 @@ def check_tasks(tasks, cfg):
                     raise UsageError(f"{cfg.dataset}: class {c} of task {t + 1} has no {name} images" + (
                         " left: --validation holds out a fifth; give a larger --n-per-class" if cfg.validation else ""))
 
-
 def make_tasks(cfg):
     """The run's tasks (its validation split with --validation), class order, mean image, classes left out."""
     return tasks_of(cfg.dataset, cfg.seed, cfg.n_per_class, cfg.scenario, cfg.classes_per_task, cfg.data_root,
                     cfg.validation)
-
 
 @functools.lru_cache(maxsize=2)  # the variants of a seed, and run_all's list, load the data once
 def tasks_of(dataset, seed, n_per_class, scenario, classes_per_task, data_root, validation):
     tasks, *rest = data.make_tasks(dataset, seed, n_per_class, scenario, classes_per_task, data_root)
     return data.validation_split(tasks, 0.2, seed) if validation else tasks, *rest
 
-
 NOT_IN_DIGEST = ("seed", "device", "data_root", "set_by")  # where it ran does not define a run
-
 
 def digest(cfg):
     """Eight hex digits that change with any setting of the run but its seed; a .pt counts by its contents."""
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_IN_DIGEST}
     if cfg.dataset.endswith(".pt") and Path(cfg.dataset).is_file():
-        settings["dataset"] = f"sha256:{file_sha256(cfg.dataset)}"
+        settings["dataset"] = f"sha256:{data.file_sha256(cfg.dataset)}"
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
-
-
-file_sha256 = functools.cache(lambda path: hashlib.sha256(Path(path).read_bytes()).hexdigest())
-
 
 def variant_name(method, variant, budget=None):
     """finetune, finetune+recl, finetune+inversion, ...; the method alone at +ReCL's budget: finetune@recl-budget."""
     return method + ("@recl-budget" if budget == "recl" else "") if variant == "base" else f"{method}+{variant}"
-
 
 def run_name(cfg):
     return (f"{Path(cfg.dataset).stem if cfg.dataset.endswith('.pt') else cfg.dataset}-{cfg.scenario}-"
             f"{variant_name(cfg.method, cfg.variant, cfg.budget)}" + ("" if cfg.tuning in (None, "naive") else
                                                                      f"-{cfg.tuning}") + "-validation" * cfg.validation)
 
-
 def result_path(out, cfg):
     """out/NAME-DIGEST-seedS.json: one file per config and seed."""
     return Path(out) / f"{run_name(cfg)}-{digest(cfg)}-seed{cfg.seed}.json"
-
 
 def describe(cfg):
     """A run's header: what it is, each value it uses under the one word that says where it came from (`resolve`),
@@ -991,29 +922,8 @@ def describe(cfg):
           for s in ("default", "network", "method", "paper", "control", "steps", "budget", "flag")}
     return text + "".join(f" | {s}: {', '.join(kv)}" for s, kv in by.items() if kv) + f" | config {digest(cfg)}"
 
-
-def noted(report, t, kept, started, name, log):
-    """Log what the reconstruction before task t + 1 did; its entry in the run's record."""
-    if "first_loss" not in report:  # a stored control: nothing was optimised
-        log(f"  [{name}] task {t + 1}: replays {kept}/{report['candidates']} stored images")
-        return {"task": t + 1, **report, "kept": kept, "seconds": round(time.time() - started, 2)}
-    left = (f", Eq. 3 leaves {report['kept_terms']['rec']:.0%} of |theta - theta_0|^2 unexplained"  # departure 1
-            if report["rec_scale"] != 1.0 and "rec" in report["kept_terms"] else "")
-    log(f"  [{name}] task {t + 1}: reconstructed {kept}/{report['candidates']}, "
-        f"loss {report['first_loss']:.4g} -> {report['kept_loss']:.4g}{left}"
-        + (f", FLAGGED: {report['failed']} (kept its lowest-loss candidates)" if report["failed"] else ""))
-    return {"task": t + 1, **report, "kept": kept, "seconds": round(time.time() - started, 2)}
-
-
-def record_of(cfg, R, acc, bwt, diverged, reconstructions, quality, started):
-    """A run's record: its accuracy matrix, ACC, BWT and what each reconstruction did."""
-    return {"method": cfg.method, "variant": cfg.variant, "recl": cfg.variant != "base", "scenario": cfg.scenario,
-            "seed": cfg.seed, "acc_matrix": R, "ACC": acc, "BWT": bwt, "diverged": diverged,
-            "reconstructions": reconstructions, "recon_quality": quality,
-            "failed_reconstructions": sum(bool(r["failed"]) for r in reconstructions),
-            "seconds": round(time.time() - started, 2),
-            "phase_seconds": {"reconstruct": round(sum(r["seconds"] for r in reconstructions), 2)}}
-
+class RunFailed(Exception):
+    """A run diverged: no usable numbers, printed as one line."""
 
 def main(argv=None):
     """Flags, checked -> a Config per seed and variant, all checked -> run_continual -> a JSON file each."""
@@ -1042,10 +952,10 @@ def main(argv=None):
         tasks, class_order, mean_image, left_out = make_tasks(cfg)
         log(f"{describe(cfg)} | class order {class_order}")
         record = run_continual(cfg, tasks, log, mean_image, judge=True, image_path=path if args.save_images else None)
-        record.update(dataset=Path(cfg.dataset).stem if cfg.dataset.endswith(".pt") else cfg.dataset,
-                      class_order=class_order, classes_left_out=left_out, config=dataclasses.asdict(cfg),
-                      digest=digest(cfg), provenance=data.provenance(),
-                      **({"dataset_sha256": file_sha256(cfg.dataset)} if cfg.dataset.endswith(".pt") else {}))
+        pt = cfg.dataset.endswith(".pt")
+        record.update(dataset=Path(cfg.dataset).stem if pt else cfg.dataset, class_order=class_order,
+                      classes_left_out=left_out, config=dataclasses.asdict(cfg), digest=digest(cfg),
+                      provenance=data.provenance(), **({"dataset_sha256": data.file_sha256(cfg.dataset)} if pt else {}))
         data.write_json_atomically(path, record)
         if record["diverged"]:
             failed.append(f"{name} {cfg.scenario} seed {cfg.seed}: {record['diverged']}; marked so in {path}, "
@@ -1058,11 +968,6 @@ def main(argv=None):
     if failed:
         raise RunFailed("; ".join(failed))
 
-
-class RunFailed(Exception):  # a run diverged: no usable numbers, printed as one line
-    pass
-
-
 def run_from_command_line(main, program):
     """Run `main`; the errors a user can cause end in one line and a non-zero exit."""
     try:
@@ -1073,7 +978,6 @@ def run_from_command_line(main, program):
         sys.exit(f"{program}: error: out of memory; lower --m, --replay-batch or --batch-size")
     except KeyboardInterrupt:
         sys.exit(f"{program}: interrupted; finished runs are saved, rerun to redo the rest")
-
 
 if __name__ == "__main__":
     run_from_command_line(main, "recl.py")
