@@ -1,9 +1,6 @@
-"""Networks for ReCL. Its theory (App. B.1) needs *homogeneous* networks: scaling the weights by c scales the output
-by c^L, as in ReLU nets without biases. As in the paper (App. D.1), only the first layer has a bias (the MLP's at a
-tiny scale, the CNN's at He scale: docs/running.md, "Datasets and models"); no head has one, so it can grow
-(`grow_head`)."""
-import copy
-
+"""Networks for ReCL, whose theory (App. B.1) needs *homogeneous* ones: weights scaled by c scale the output by c^L, as
+in ReLU nets without biases. As in App. D.1 only the first layer has a bias; no head has one, so it can grow."""
+import copy, importlib
 import torch
 import torch.nn as nn
 
@@ -17,27 +14,19 @@ class MLP(nn.Module):  # the paper's D-1000-1000-C perceptron
             p.data.normal_().mul_(first_init_scale)
     def forward(self, x):
         return self.head(self.act2(self.fc2(self.act1(self.fc1(x.flatten(1))))))
-
 def he_init(model):
-    """He et al. (2015): weights N(0, 2 / fan_in), biases zero: a signal keeps its size through ReLU layers. PyTorch's
-    default shrinks it ~sqrt(3) a layer: the CNN and AlexNet would stay at ln C (docs/running.md, "Datasets and
-    models")."""
-    for module in model.modules():
-        if isinstance(module, (nn.Conv2d, nn.Linear)):
-            nn.init.kaiming_normal_(module.weight, nonlinearity="relu")
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-    return model
-
+    """He et al. (2015): weights N(0, 2 / fan_in), biases 0: a signal keeps its size through ReLU layers (PyTorch's
+    default shrinks it ~sqrt(3) a layer: SGD would leave the CNN and AlexNet at the loss ln C)."""
+    for module in [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]:
+        nn.init.kaiming_normal_(module.weight, nonlinearity="relu")
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
 class CNN(nn.Module):
-    """The paper's CNN (after Deng et al. 2021): two 3x3 convolutions of 160 channels, stride 2 to keep the dense
-    layers small and no pooling, then 640-320-C; He-initialised throughout, the first layer too."""
+    """The paper's CNN (after Deng et al. 2021): two 3x3 convolutions of 160, stride 2 (no pooling), then 640-320-C."""
     def __init__(self, input_shape, n_classes, channels=160):
         super().__init__()
-        c, h, w = input_shape
-        side = lambda n: ((n - 3) // 2 + 1 - 3) // 2 + 1  # a side after both convolutions
-        self.conv1 = nn.Conv2d(c, channels, 3, stride=2)
-        self.conv2 = nn.Conv2d(channels, channels, 3, stride=2, bias=False)
+        (c, h, w), side = input_shape, lambda n: ((n - 3) // 2 + 1 - 3) // 2 + 1  # a side after both convolutions
+        self.conv1, self.conv2 = nn.Conv2d(c, channels, 3, stride=2), nn.Conv2d(channels, channels, 3, 2, bias=False)
         self.fc1 = nn.Linear(channels * side(h) * side(w), 640, bias=False)
         self.fc2, self.head = nn.Linear(640, 320, bias=False), nn.Linear(320, n_classes, bias=False)
         self.act1, self.act2, self.act3, self.act4 = (nn.ReLU() for _ in range(4))
@@ -45,14 +34,11 @@ class CNN(nn.Module):
     def forward(self, x):
         x = self.act2(self.conv2(self.act1(self.conv1(x))))
         return self.head(self.act4(self.fc2(self.act3(self.fc1(x.flatten(1))))))
-
-# Two networks that are *not* homogeneous (biases, max-pooling, dropout, batch norm, skips): the paper (Sec. 6.4,
-# App. J) shows that ReCL helps beyond its theory.
+# Not homogeneous (biases, max-pooling, dropout, batch norm, skips): ReCL helps beyond its theory (Sec. 6.4, App. J).
 class AlexNet(nn.Module):  # AlexNet-style: five 3x3 convolutions with max-pooling, two dropout dense layers
     def __init__(self, input_shape, n_classes):
         super().__init__()
-        c, h, w = input_shape
-        conv = lambda cin, cout: [nn.Conv2d(cin, cout, 3, padding=1), nn.ReLU()]
+        (c, h, w), conv = input_shape, lambda cin, cout: [nn.Conv2d(cin, cout, 3, padding=1), nn.ReLU()]
         self.features = nn.Sequential(*conv(c, 64), nn.MaxPool2d(2), *conv(64, 192), nn.MaxPool2d(2),
                                       *conv(192, 384), *conv(384, 256), *conv(256, 256), nn.MaxPool2d(2))
         self.dense = nn.Sequential(nn.Dropout(0.5), nn.Linear(256 * (h // 8) * (w // 8), 512), nn.ReLU(),
@@ -61,42 +47,28 @@ class AlexNet(nn.Module):  # AlexNet-style: five 3x3 convolutions with max-pooli
         he_init(self)
     def forward(self, x):
         return self.head(self.dense(self.features(x).flatten(1)))
-
 class ResNet18(nn.Module):  # torchvision's ResNet18 with the usual small-image stem (3x3 conv, no max-pool)
     def __init__(self, input_shape, n_classes):
         super().__init__()
-        import torchvision
-        self.features = torchvision.models.resnet18()
-        self.features.conv1 = nn.Conv2d(input_shape[0], 64, 3, padding=1, bias=False)
-        self.features.maxpool, self.features.fc = nn.Identity(), nn.Identity()
+        f = self.features = importlib.import_module("torchvision.models").resnet18()  # imported here: slow
+        f.conv1, f.maxpool, f.fc = nn.Conv2d(input_shape[0], 64, 3, 1, 1, bias=False), nn.Identity(), nn.Identity()
         self.head = nn.Linear(512, n_classes, bias=False)
     def forward(self, x):
         return self.head(self.features(x))
-
 MODELS = ["mlp", "cnn", "alexnet", "resnet18"]
-# The smallest image side each takes: the CNN's two stride-2 convolutions need 7 for a 1x1 output, AlexNet's three
-# poolings and ResNet18's three stride-2 stages need 8. Vectors of a .pt file ([N, 1, 1, D]) are for the MLP only.
+# Smallest image side: 7 leaves 1x1 after the CNN's two stride-2 convolutions; 8 after 3 poolings or stride-2 stages
 SMALLEST_SIDE = {"cnn": 7, "alexnet": 8, "resnet18": 8}
-
-def build_model(name, input_shape, n_classes):
-    if name == "mlp":
-        return remember_start(MLP(int(torch.Size(input_shape).numel()), n_classes))
-    if len(input_shape) != 3 or min(input_shape[1:]) < SMALLEST_SIDE[name]:
-        raise ValueError(f"the {name} needs images of at least {SMALLEST_SIDE[name]} pixels a side, "
-                         f"got shape {list(input_shape)}")
-    return remember_start({"cnn": CNN, "alexnet": AlexNet, "resnet18": ResNet18}[name](tuple(input_shape), n_classes))
-
-def remember_start(model):
-    """theta_0, a copy of the weights now: reconstruction can fit theta - theta_0 (`--rec-target displacement`)."""
+def build_model(name, input_shape, n_classes):  # a network of MODELS that remembers its start (theta_0)
+    if name != "mlp" and (len(input_shape) != 3 or min(input_shape[1:]) < SMALLEST_SIDE[name]):
+        raise ValueError(f"the {name} needs {SMALLEST_SIDE[name]} pixels a side or more, got {list(input_shape)}")
+    return remember_start(MLP(int(torch.Size(input_shape).numel()), n_classes) if name == "mlp" else
+                          {"cnn": CNN, "alexnet": AlexNet, "resnet18": ResNet18}[name](tuple(input_shape), n_classes))
+def remember_start(model):  # theta_0, a copy of the weights now: for `--rec-target displacement` (theta - theta_0)
     model.start = {k: v.detach().clone() for k, v in model.named_parameters()}
     return model
-
-def start_weights(model):
-    """theta_0, on the device of the weights; None if the model never remembered it."""
+def start_weights(model):  # theta_0, on the device of the weights; None if the model never remembered it
     return {k: model.start[k].to(p.device) for k, p in model.named_parameters()} if hasattr(model, "start") else None
-
-def grow_head(model, n_classes):
-    """Widen the output layer to `n_classes`, keeping the learned rows of old classes."""
+def grow_head(model, n_classes):  # widen the output layer to n_classes, keeping the learned rows of old classes
     if n_classes == (old := model.head).out_features:
         return
     model.head = new = nn.Linear(old.in_features, n_classes, bias=False).to(old.weight.device)
@@ -106,11 +78,10 @@ def grow_head(model, n_classes):
         model.start["head.weight"] = torch.cat([start, new.weight[old.out_features:].detach().to(start.device)])
 
 class SmoothBackwardReLUFunction(torch.autograd.Function):
-    """relu(z) forward, sigmoid(alpha z) for the step backward. Reconstruction differentiates *through* the network's
-    gradients, and the step's second derivative is zero almost everywhere: after Haim et al. (2022), the forward stays
-    exact and the backward is that of softplus_alpha(z) = log(1 + e^(alpha z)) / alpha, a rounded ReLU. The backward is
-    plain operations, so autograd differentiates it again (docs/cost.md); torch.func takes it via the vmap rule."""
-    generate_vmap_rule = True
+    """relu(z) forward, sigmoid(alpha z) for the step backward. Reconstruction differentiates *through* the gradients,
+    where the step's second derivative is zero almost everywhere: after Haim et al. (2022) the backward is that of a
+    rounded ReLU, softplus_alpha(z) = log(1 + e^(alpha z)) / alpha, in plain operations that autograd differentiates."""
+    generate_vmap_rule = True  # torch.func takes it through vmap
     @staticmethod
     def forward(z, alpha):
         return z.clamp_min(0)
@@ -121,16 +92,13 @@ class SmoothBackwardReLUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         return grad_out * torch.sigmoid(ctx.alpha * ctx.saved_tensors[0]), None
-
 class SmoothBackwardReLU(nn.Module):
     def __init__(self, alpha):
         super().__init__()
         self.alpha = alpha
     def forward(self, z):
         return SmoothBackwardReLUFunction.apply(z, self.alpha)
-
-def with_smooth_relu(model, alpha):
-    """A copy of `model` whose ReLUs have the smooth backward pass (for reconstruction only)."""
+def with_smooth_relu(model, alpha):  # a copy of model whose ReLUs have the smooth backward pass (for reconstruction)
     for parent in (copied := copy.deepcopy(model)).modules():
         for name in [name for name, child in parent.named_children() if isinstance(child, nn.ReLU)]:
             setattr(parent, name, SmoothBackwardReLU(alpha))
