@@ -11,17 +11,21 @@ MNIST_SUBSET_SHA256 = "846f6cad587fea3877f6e0fe0a1968dfc68867ce170d3bc9fc2dccdbe
 IDX_STEMS = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")  # `apt-get install dataset-fashion-mnist`, offline
 Task = namedtuple("Task", "classes x_train y_train x_test y_test")  # class ids in task order; x [n, C, H, W] normalised
+
 class DataError(Exception):
     """A dataset is missing, corrupt or too small; the CLI prints it as one line."""
+
 def need(ok, message):  # refuse bad input in one line before training, never by a traceback in the middle of a run
     if not ok:
         raise DataError(message)
+
 def load_mnist_subset(path=MNIST_SUBSET):
     """The shipped CSV, one image per line (784 pixels 0-255, then the label): uint8 [N, 1, 28, 28], int64 [N]."""
     digest = hashlib.sha256(raw := path.read_bytes()).hexdigest() if (path := Path(path)).is_file() else None
     need(digest == MNIST_SUBSET_SHA256, f"{path} is missing or not the shipped MNIST subset: `git checkout -- data`")
     table = torch.from_numpy(np.loadtxt(gzip.decompress(raw).decode().split(), delimiter=",", dtype=np.int64))
     return table[:, :784].to(torch.uint8).view(-1, 1, 28, 28), table[:, 784].clone()
+
 def read_idx(path):
     """An IDX file (MNIST's: 0, 0, 0x08 for bytes, ndim; ndim big-endian int32 sizes; values), gzipped or not."""
     raw = gzip.decompress(raw) if (raw := Path(path).read_bytes()).startswith(b"\x1f\x8b") else raw
@@ -29,11 +33,13 @@ def read_idx(path):
     need(raw[:3] == b"\0\0\x08" and len(raw) == 4 + 4 * len(shape) + torch.Size(shape).numel(),
          f"{path} is not an unsigned-byte IDX file, or is truncated (header: {shape})")
     return torch.frombuffer(bytearray(raw[4 + 4 * len(shape):]), dtype=torch.uint8).view(shape)
+
 def fetch(name, root, how):  # torchvision's download; offline (DNS, refused, timeout), one line on how to get the files
     try:
         getattr(importlib.import_module("torchvision.datasets"), name)(root, download=True)  # imported here: slow
     except Exception as err:
         raise DataError(f"{name} is not under {root} and its download failed ({type(err).__name__}); {how}") from None
+
 def load_fashion_mnist(root):
     """Fashion-MNIST (Xiao et al. 2017), 10 classes of clothing as IDX files: torchvision's, Debian's, or downloaded."""
     files = lambda d: [next((p for p in (Path(d, s), Path(d, s + ".gz")) if p.is_file()), None) for s in IDX_STEMS]
@@ -42,17 +48,21 @@ def load_fashion_mnist(root):
         fetch("FashionMNIST", root, f"nor in {DEBIAN_FASHION_MNIST}: `apt-get install dataset-fashion-mnist`")
         found = files(raw)
     return tuple(t.long() if t.dim() == 1 else t[:, None] for t in map(read_idx, found))  # images get one channel
+
 class ArraysOnly(pickle.Unpickler):
     """A pickle may name any function to call as it loads: for CIFAR10's batches, this finds numpy's arrays only."""
     ALLOWED = {("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode"), *((f"numpy.{core}.{mod}", f) for core
                in ("core", "_core") for mod, f in (("multiarray", "_reconstruct"), ("numeric", "_frombuffer")))}
+
     def find_class(self, module, name):  # refuses before looking the name up
         need((module, name) in self.ALLOWED, f"it asks to call {module}.{name}, refused: nothing was run")
         return super().find_class(module, name)
+
 def load_cifar10(root):
     """CIFAR10 (Krizhevsky 2009) as torchvision keeps it: five training batches and a test batch, read by ArraysOnly."""
     if not (folder := Path(root) / "cifar-10-batches-py").is_dir():
         fetch("CIFAR10", root, f"on a machine with internet run once with --data-root {root}, copy the folder here")
+
     def batch(name):  # 10000 rows of 3x32x32 bytes, channel-major, and a list of labels
         try:
             b = ArraysOnly(io.BytesIO((folder / name).read_bytes()), encoding="bytes").load()
@@ -60,6 +70,7 @@ def load_cifar10(root):
         except Exception as err:  # missing, garbage, or refused by ArraysOnly: all in one line
             raise DataError(f"{folder / name} is missing or not a CIFAR10 batch ({err})") from None
     return (*map(torch.cat, zip(*(batch(f"data_batch_{i}") for i in range(1, 6)))), *batch("test_batch"))
+
 def load_tensor_file(path):
     """A user's dataset, torch.save({"x_train": ..., "y_train": ..., "x_test": ..., "y_test": ...}, path)."""
     try:
@@ -81,6 +92,7 @@ def load_tensor_file(path):
 LOADERS = {"mnist": lambda root: (*load_mnist_subset(), None, None), "fashion-mnist": load_fashion_mnist,
            "cifar10": load_cifar10}  # each: raw images [N, C, H, W] (uint8 or float in [0, 1]), labels; train, test
 DATASETS = list(LOADERS)
+
 def make_tasks(dataset, seed, n_per_class=100, scenario="cil", classes_per_task=2, data_root="data"):
     """Tasks (Sec. 5, App. C): a seeded class order, then per class the first `n_per_class` (None: all) of a permutation
     train. Pixels: [0, 1] less the training mean, so [-1, 1] as Eq. 5's prior assumes. 4th: classes in no whole task."""
@@ -101,15 +113,18 @@ def make_tasks(dataset, seed, n_per_class=100, scenario="cil", classes_per_task=
     mean_image = (x_train := scaled(x_train[keep])).mean(0)
     return (split_into_tasks(x_train - mean_image, y_train[keep], scaled(x_test) - mean_image, y_test, class_order,
             classes_per_task, scenario), class_order, mean_image, sorted(set(classes.tolist()) - set(class_order)))
+
 def split_into_tasks(x_train, y_train, x_test, y_test, class_order, classes_per_task, scenario):
     """Cut the class order into tasks of k classes and relabel (Sec. 5). CIL: a class's label is its place in the class
     order (task 2 owns k..2k-1), so the head grows by k outputs a task; DIL: each task is 0..k-1, one head of k."""
+
     def task(start):
         classes = class_order[start:start + classes_per_task]
         label = {c: (start if scenario == "cil" else 0) + j for j, c in enumerate(classes)}
         pick = lambda x, y: (x[m := torch.isin(y, torch.tensor(classes))], torch.tensor([label[int(c)] for c in y[m]]))
         return Task(classes, *pick(x_train, y_train), *pick(x_test, y_test))
     return [task(start) for start in range(0, len(class_order), classes_per_task)]
+
 def validation_split(tasks, fraction=0.2, seed=0):
     """For tuning (tools/tune.py): each task tests on a held-out `fraction` of its training images, not its test set."""
     generator, split = torch.Generator().manual_seed(seed), []
@@ -118,6 +133,7 @@ def validation_split(tasks, fraction=0.2, seed=0):
         need((n_val := max(1, round(fraction * len(x)))) < len(x), f"{len(x)} images cannot spare {n_val} to validate")
         split.append(Task(classes, x[order[n_val:]], y[order[n_val:]], x[order[:n_val]], y[order[:n_val]]))
     return split
+
 def loader(x, y, batch_size, shuffle=True, seed=0):  # a seeded generator of its own: a seed repeats the batch order
     dataset, generator = torch.utils.data.TensorDataset(x, y), torch.Generator().manual_seed(seed)
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=generator)

@@ -12,8 +12,10 @@ class MLP(nn.Module):  # the paper's D-1000-1000-C perceptron
         self.act1, self.act2 = nn.ReLU(), nn.ReLU()
         for p in self.fc1.parameters():  # weight, then bias: N(0, scale^2), drawn after all default inits
             p.data.normal_().mul_(first_init_scale)
+
     def forward(self, x):
         return self.head(self.act2(self.fc2(self.act1(self.fc1(x.flatten(1))))))
+
 def he_init(model):
     """He et al. (2015): weights N(0, 2 / fan_in), biases 0: a signal keeps its size through ReLU layers (PyTorch's
     default shrinks it ~sqrt(3) a layer: SGD would leave the CNN and AlexNet at the loss ln C)."""
@@ -21,8 +23,10 @@ def he_init(model):
         nn.init.kaiming_normal_(module.weight, nonlinearity="relu")
         if module.bias is not None:
             nn.init.zeros_(module.bias)
+
 class CNN(nn.Module):
     """The paper's CNN (after Deng et al. 2021): two 3x3 convolutions of 160, stride 2 (no pooling), then 640-320-C."""
+
     def __init__(self, input_shape, n_classes, channels=160):
         super().__init__()
         (c, h, w), side = input_shape, lambda n: ((n - 3) // 2 + 1 - 3) // 2 + 1  # a side after both convolutions
@@ -31,9 +35,11 @@ class CNN(nn.Module):
         self.fc2, self.head = nn.Linear(640, 320, bias=False), nn.Linear(320, n_classes, bias=False)
         self.act1, self.act2, self.act3, self.act4 = (nn.ReLU() for _ in range(4))
         he_init(self)
+
     def forward(self, x):
         x = self.act2(self.conv2(self.act1(self.conv1(x))))
         return self.head(self.act4(self.fc2(self.act3(self.fc1(x.flatten(1))))))
+
 # Not homogeneous (biases, max-pooling, dropout, batch norm, skips): ReCL helps beyond its theory (Sec. 6.4, App. J).
 class AlexNet(nn.Module):  # AlexNet-style: five 3x3 convolutions with max-pooling, two dropout dense layers
     def __init__(self, input_shape, n_classes):
@@ -45,29 +51,36 @@ class AlexNet(nn.Module):  # AlexNet-style: five 3x3 convolutions with max-pooli
                                    nn.Dropout(0.5), nn.Linear(512, 512), nn.ReLU())
         self.head = nn.Linear(512, n_classes, bias=False)
         he_init(self)
+
     def forward(self, x):
         return self.head(self.dense(self.features(x).flatten(1)))
+
 class ResNet18(nn.Module):  # torchvision's ResNet18 with the usual small-image stem (3x3 conv, no max-pool)
     def __init__(self, input_shape, n_classes):
         super().__init__()
         f = self.features = importlib.import_module("torchvision.models").resnet18()  # imported here: slow
         f.conv1, f.maxpool, f.fc = nn.Conv2d(input_shape[0], 64, 3, 1, 1, bias=False), nn.Identity(), nn.Identity()
         self.head = nn.Linear(512, n_classes, bias=False)
+
     def forward(self, x):
         return self.head(self.features(x))
 MODELS = ["mlp", "cnn", "alexnet", "resnet18"]
 # Smallest image side: 7 leaves 1x1 after the CNN's two stride-2 convolutions; 8 after 3 poolings or stride-2 stages
 SMALLEST_SIDE = {"cnn": 7, "alexnet": 8, "resnet18": 8}
+
 def build_model(name, input_shape, n_classes):  # a network of MODELS that remembers its start (theta_0)
     if name != "mlp" and (len(input_shape) != 3 or min(input_shape[1:]) < SMALLEST_SIDE[name]):
         raise ValueError(f"the {name} needs {SMALLEST_SIDE[name]} pixels a side or more, got {list(input_shape)}")
     return remember_start(MLP(int(torch.Size(input_shape).numel()), n_classes) if name == "mlp" else
                           {"cnn": CNN, "alexnet": AlexNet, "resnet18": ResNet18}[name](tuple(input_shape), n_classes))
+
 def remember_start(model):  # theta_0, a copy of the weights now: for `--rec-target displacement` (theta - theta_0)
     model.start = {k: v.detach().clone() for k, v in model.named_parameters()}
     return model
+
 def start_weights(model):  # theta_0, on the device of the weights; None if the model never remembered it
     return {k: model.start[k].to(p.device) for k, p in model.named_parameters()} if hasattr(model, "start") else None
+
 def grow_head(model, n_classes):  # widen the output layer to n_classes, keeping the learned rows of old classes
     if n_classes == (old := model.head).out_features:
         return
@@ -82,22 +95,28 @@ class SmoothBackwardReLUFunction(torch.autograd.Function):
     where the step's second derivative is zero almost everywhere: after Haim et al. (2022) the backward is that of a
     rounded ReLU, softplus_alpha(z) = log(1 + e^(alpha z)) / alpha, in plain operations that autograd differentiates."""
     generate_vmap_rule = True  # torch.func takes it through vmap
+
     @staticmethod
     def forward(z, alpha):
         return z.clamp_min(0)
+
     @staticmethod
     def setup_context(ctx, inputs, output):
         z, ctx.alpha = inputs
         ctx.save_for_backward(z)
+
     @staticmethod
     def backward(ctx, grad_out):
         return grad_out * torch.sigmoid(ctx.alpha * ctx.saved_tensors[0]), None
+
 class SmoothBackwardReLU(nn.Module):
     def __init__(self, alpha):
         super().__init__()
         self.alpha = alpha
+
     def forward(self, z):
         return SmoothBackwardReLUFunction.apply(z, self.alpha)
+
 def with_smooth_relu(model, alpha):  # a copy of model whose ReLUs have the smooth backward pass (for reconstruction)
     for parent in (copied := copy.deepcopy(model)).modules():
         for name in [name for name, child in parent.named_children() if isinstance(child, nn.ReLU)]:
