@@ -1,31 +1,25 @@
-"""Continual-learning methods as hooks that the training loop in recl.py calls, listed per method in `STRATEGIES` (at
-the end); `state` is a plain dict kept across tasks, starting from the method's hyperparameters. ReCL needs no hook: it
-only adds reconstructed samples to the training data, so it composes with every method here. The hooks:
-    extra_loss(model, x, y, logits, state)       added to the batch's cross-entropy
-    after_backward(model, state)                 may rewrite the .grad of parameters
-    after_task(model, loader, state)             after training on a task, on its real data"""
+"""Continual-learning methods as hooks that recl.py's training loop calls, per method in `STRATEGIES` (at the end);
+`state` is a plain dict kept across tasks, starting from the method's hyperparameters. ReCL needs no hook: it only adds
+reconstructed samples to the training data, so it composes with every method. The hooks: extra_loss(model, x, y,
+logits, state), added to the batch's cross-entropy; after_backward(model, state), which may rewrite the parameters'
+.grad; after_task(model, loader, state), after training on a task, on its real data."""
 import copy
 import math
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
-# What tools/tune.py searches for every method on a validation split, besides the method's own grid.
-TRAINING_GRID = {"lr": [0.01, 0.05, 0.1], "epochs": [10, 20, 40]}
-
+TRAINING_GRID = {"lr": [0.01, 0.05, 0.1], "epochs": [10, 20, 40]}  # tools/tune.py searches it besides a method's grid
 def defaults(method):  # a method's own hyperparameters at their literature defaults ({} for joint)
     return {k: spec[0] for k, spec in STRATEGIES.get(method, {}).get("hyperparameters", {}).items()}
 def check_hyperparameters(method, pairs, error=ValueError):
-    """--hp's (key, value) pairs as {key: value} of each default's type; `error` (one line) at the first unknown key,
-    non-number, non-whole number for an int, or value out of its range."""
+    """--hp's (key, value) pairs as {key: value} of each default's type; `error` (one line) at the first bad one."""
     known, checked = STRATEGIES.get(method, {}).get("hyperparameters", {}), {}
     for key, value in pairs:
         if key not in known:
             raise error(f"--hp {key}: {method} has {', '.join(known) or 'no hyperparameters'}")
-        default, meaning, valid = known[key]
-        whole = isinstance(default, int)
+        (default, meaning, valid), whole = known[key], isinstance(known[key][0], int)
         if value is None or not math.isfinite(value) or (whole and value != int(value)) or not valid(value):
             raise error(f"--hp {key} must be {'a whole number ' if whole else ''}{meaning}, got {value}")
         checked[key] = type(default)(value)
@@ -34,96 +28,76 @@ def new_state(method, **overrides):  # the state its hooks start from
     if unknown := set(overrides) - set(defaults(method)):
         raise ValueError(f"{method} has no hyperparameter {sorted(unknown)}")
     return {**defaults(method), **overrides}
-
 def pad_to(tensor, shape):  # zero-pad each dimension at its end up to `shape`: a grown head's old values
     return F.pad(tensor, [n for have, want in zip(reversed(tensor.shape), reversed(shape)) for n in (0, want - have)])
 def sample_rows(x, y, n):  # n random rows (all if fewer), drawn from the global RNG
-    idx = torch.randperm(len(x), device=x.device)[:n]
-    return x[idx], y[idx]
+    return x[idx := torch.randperm(len(x), device=x.device)[:n]], y[idx]
 def collect(loader):  # a loader's rows: its batches concatenated
     return tuple(map(torch.cat, zip(*loader)))
 def remember(state, x, y, n):  # add n random rows of (x, y) to the episodic memory
-    x, y = sample_rows(x, y, n)
-    state["memory_x"] = torch.cat([state.get("memory_x", x[:0]), x])
-    state["memory_y"] = torch.cat([state.get("memory_y", y[:0]), y])
+    for key, rows in zip(("memory_x", "memory_y"), sample_rows(x, y, n)):
+        state[key] = torch.cat([state.get(key, rows[:0]), rows])
 
-# --- EWC (Kirkpatrick et al. 2017, Eq. 3): penalty lambda/2 sum_i F_i (theta_i - theta*_i)^2, with F the empirical
-# diagonal Fisher (mean squared per-sample log-likelihood gradient) summed over the tasks so far; theta*: last weights.
-def ewc_after_task(model, loader, state):
-    params = {k: v.detach() for k, v in model.named_parameters()}
+# --- EWC (Kirkpatrick et al. 2017, Eq. 3): lambda/2 sum_i F_i (theta_i - theta*_i)^2, theta*: the last task's weights
+def ewc_after_task(model, loader, state):  # F: the empirical Fisher's diagonal, summed over the tasks so far
+    params = {k: v.detach() for k, v in model.named_parameters()}  # a task's F_i: its mean squared per-sample gradient
     grads = vmap(grad(lambda p, xi, yi: F.cross_entropy(functional_call(model, p, xi[None]), yi[None])), (None, 0, 0))
     fisher, n, old = {k: torch.zeros_like(v) for k, v in params.items()}, 0, state.get("fisher", {})
     for x, y in loader:
         for xs, ys in zip(x.split(32), y.split(32)):  # chunks of 32 bound the memory of vmap
-            for k, g in grads(params, xs, ys).items():
-                fisher[k] += g.pow(2).sum(0)
-        n += len(x)
+            n, fisher = n + len(xs), {k: fisher[k] + g.pow(2).sum(0) for k, g in grads(params, xs, ys).items()}
     state["fisher"] = {k: f / n + pad_to(old[k], f.shape) if k in old else f / n for k, f in fisher.items()}
     state["anchor"] = {k: p.detach().clone() for k, p in model.named_parameters()}
-def ewc_loss(model, x, y, logits, state):
-    penalty = 0.0  # none before the first task's end
-    for k, anchor in state.get("anchor", {}).items():  # only the rows that existed: new head rows are free
-        p = model.get_parameter(k)[tuple(map(slice, anchor.shape))]
-        penalty = penalty + (state["fisher"][k] * (p - anchor).pow(2)).sum()
-    return state["ewc_lambda"] / 2 * penalty
-
-# --- ER (Chaudhry et al. 2019, "On tiny episodic memories"): each batch adds the cross-entropy of as many memory rows.
+def ewc_loss(model, x, y, logits, state):  # 0 before the first task's end; rows a head grew since are free
+    penalty = [(state["fisher"][k] * (model.get_parameter(k)[tuple(map(slice, anchor.shape))] - anchor).pow(2)).sum()
+               for k, anchor in state.get("anchor", {}).items()]
+    return state["ewc_lambda"] / 2 * sum(penalty)
+# --- ER (Chaudhry et al. 2019, "On tiny episodic memories"): each batch adds the cross-entropy of as many memory rows
 def er_after_task(model, loader, state):  # the memory keeps er_fraction of each task's real rows (ReCL's App. D.2)
     x, y = collect(loader)
     remember(state, x, y, max(1, round(state["er_fraction"] * len(x))))
-def er_loss(model, x, y, logits, state):
-    if "memory_x" not in state:
-        return 0.0
-    mx, my = sample_rows(state["memory_x"], state["memory_y"], len(x))
+def memory_ce(model, state, n):  # the cross-entropy of n random rows of the episodic memory
+    mx, my = sample_rows(state["memory_x"], state["memory_y"], n)
     return F.cross_entropy(model(mx), my)
-
-# --- A-GEM (Chaudhry et al. 2019, Eq. 11): never let a step increase the loss on the episodic memory. With g_ref the
-# gradient on a batch of memory, if g . g_ref < 0 the step uses g - (g . g_ref / g_ref . g_ref) g_ref.
+def er_loss(model, x, y, logits, state):
+    return memory_ce(model, state, len(x)) if "memory_x" in state else 0.0
+# --- A-GEM (Chaudhry et al. 2019, Eq. 11): if g . g_ref < 0 (g_ref: on memory), step along g - g.g_ref/|g_ref|^2 g_ref
 def agem_after_task(model, loader, state):
     remember(state, *collect(loader), state["agem_patterns_per_task"])
 def agem_after_backward(model, state):
     if "memory_x" not in state:
         return
     params = [p for p in model.parameters() if p.grad is not None]
-    mx, my = sample_rows(state["memory_x"], state["memory_y"], state["agem_batch"])
-    g_ref = torch.cat([g.flatten() for g in torch.autograd.grad(F.cross_entropy(model(mx), my), params)])
+    g_ref = torch.cat([g.flatten() for g in torch.autograd.grad(memory_ce(model, state, state["agem_batch"]), params)])
     g = torch.cat([p.grad.flatten() for p in params])
-    if (dot := g @ g_ref) < 0:
-        g = g - dot / (g_ref @ g_ref) * g_ref
-        for p, new in zip(params, g.split([p.numel() for p in params])):
+    if (dot := g @ g_ref) < 0:  # the step would raise the memory's loss
+        for p, new in zip(params, (g - dot / (g_ref @ g_ref) * g_ref).split([p.numel() for p in params])):
             p.grad.copy_(new.view_as(p))
-
-# --- LwF (Li & Hoiem 2017): distil the previous model's outputs on the current data, lambda T^2 KL at temperature T.
+# --- LwF (Li & Hoiem 2017): distil the previous model's outputs on the current data, lambda T^2 KL at temperature T
 def lwf_after_task(model, loader, state):
     state["teacher"] = copy.deepcopy(model).eval().requires_grad_(False)  # frozen: its outputs are targets
-def lwf_loss(model, x, y, logits, state):
+def lwf_loss(model, x, y, logits, state):  # CIL: only the outputs the teacher had
     if "teacher" not in state:
         return 0.0
-    old = state["teacher"](x)
-    t, new = state["lwf_temperature"], logits[:, :old.shape[1]]  # CIL: only the outputs the teacher had
-    kl = F.kl_div(F.log_softmax(new / t, 1), F.log_softmax(old / t, 1), log_target=True, reduction="batchmean")
-    return state["lwf_lambda"] * t * t * kl
-
-# --- GPM (Saha et al. 2021, Eq. 6-9): after each task, extend each layer's basis M of its inputs on a random subset
-# as Saha et al. sample theirs (the loader is class-sorted); later, grad W <- grad W (I - M M^T), kernels [out, fan_in].
+    old, t = state["teacher"](x), state["lwf_temperature"]
+    return state["lwf_lambda"] * t * t * F.kl_div(F.log_softmax(logits[:, :old.shape[1]] / t, 1),
+                                                  F.log_softmax(old / t, 1), log_target=True, reduction="batchmean")
+# --- GPM (Saha et al. 2021, Eq. 6-9): each layer's basis M of its inputs; grad W <- grad W (I - M M^T), W [out, fan_in]
 def projected_layers(model):
-    return {name: m for name, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))}
+    return {name: m for name, m in model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))}
 def extend_basis(basis, activations, threshold):
     """Add top left singular vectors of R = activations off `basis` until it holds `threshold` of R's energy."""
     total = activations.pow(2).sum()
-    if basis is not None:
-        activations = activations - basis @ (basis.T @ activations)
-    u, s, _ = torch.linalg.svd(activations, full_matrices=False)
+    residual = activations if basis is None else activations - basis @ (basis.T @ activations)
+    u, s, _ = torch.linalg.svd(residual, full_matrices=False)
     captured = total - s.pow(2).sum()  # energy the old basis already holds
     if captured / total >= threshold:
         return basis
-    below = ((captured + s.pow(2).cumsum(0)) / total < threshold).sum()
-    new = u[:, :min(int(below) + 1, len(s))]
+    new = u[:, :min(int(((captured + s.pow(2).cumsum(0)) / total < threshold).sum()) + 1, len(s))]  # fewest to reach it
     return new if basis is None else torch.cat([basis, new], 1)[:, :activations.shape[0]]
-def gpm_after_task(model, loader, state):
+def gpm_after_task(model, loader, state):  # on a random subset, as Saha et al. sample theirs (the loader is by class)
     bases, layers, inputs, (x, y) = state.setdefault("bases", {}), projected_layers(model), {}, collect(loader)
-    if len(x) > state["gpm_samples"]:
-        x, y = sample_rows(x, y, state["gpm_samples"])
+    x = sample_rows(x, y, state["gpm_samples"])[0] if len(x) > state["gpm_samples"] else x
     handles = [layer.register_forward_hook(lambda mod, args, out, key=name: inputs.update({key: args[0].detach()}))
                for name, layer in layers.items()]
     with torch.no_grad():
@@ -131,42 +105,37 @@ def gpm_after_task(model, loader, state):
     for h in handles:
         h.remove()
     for name, r in inputs.items():
-        if isinstance(conv := layers[name], nn.Conv2d):  # its rows: every input patch (im2col)
+        if isinstance(conv := layers[name], torch.nn.Conv2d):  # its rows: every input patch (im2col)
             r = F.unfold(r, conv.kernel_size, conv.dilation, conv.padding, conv.stride).transpose(1, 2).flatten(0, 1)
         bases[name] = extend_basis(bases.get(name), r.T, state["gpm_threshold"])
 def gpm_after_backward(model, state):  # biases stay free
     for name, layer in projected_layers(model).items():
-        basis = state.get("bases", {}).get(name)
-        if basis is not None and layer.weight.grad is not None:
+        if (basis := state.get("bases", {}).get(name)) is not None and layer.weight.grad is not None:
             g = layer.weight.grad.view(len(layer.weight), -1)
             g -= (g @ basis) @ basis.T
-
-# --- UPGD (Elsayed & Mahmood 2024), global first-order form: utility u = -grad * w (the loss change if w were set to
-# 0, to first order), a running mean scaled to (0, 1) by a sigmoid of u / max(u). The step is (grad + weight decay +
-# noise) * (1 - scaled utility): useful weights barely move, useless ones learn and get perturbed.
-def upgd_after_backward(model, state):
+# --- UPGD (Elsayed & Mahmood 2024), global first-order form: step (grad + weight decay + noise) * (1 - scaled utility)
+def upgd_after_backward(model, state):  # utility u = -grad * w: to first order, the loss change if w were set to 0
     beta, utility, state["step"] = state["upgd_beta"], state.setdefault("utility", {}), state.get("step", 0) + 1
     params = [(k, p) for k, p in model.named_parameters() if p.grad is not None]
-    for k, p in params:
+    for k, p in params:  # a running mean of u
         u = pad_to(utility[k], p.shape) if k in utility else torch.zeros_like(p)
         utility[k] = u.mul_(beta).add_(-p.grad * p.detach(), alpha=1 - beta)
     global_max = max(u.max() for u in utility.values()).clamp_min(1e-12)
-    for k, p in params:
-        free = 1 - torch.sigmoid(utility[k] / (1 - beta ** state["step"]) / global_max)  # 1 - scaled u, bias-corrected
+    for k, p in params:  # scaled to (0, 1) by a sigmoid of u / max u, bias-corrected: useful weights barely move
+        free = 1 - torch.sigmoid(utility[k] / (1 - beta ** state["step"]) / global_max)
         p.grad = (p.grad + state["upgd_weight_decay"] * p.detach() + torch.randn_like(p) * state["upgd_sigma"]) * free
 
 # Each method's hooks, hyperparameters as (literature default, valid range, its test) and grid for tools/tune.py.
 AT_LEAST_0, POSITIVE = (">= 0", lambda v: v >= 0), ("> 0", lambda v: v > 0)
-FRACTION = ("in (0, 1]", lambda v: 0 < v <= 1)
+FRACTION, BELOW_1 = ("in (0, 1]", lambda v: 0 < v <= 1), ("in [0, 1)", lambda v: 0 <= v < 1)
 STRATEGIES = {
     "finetune": {"hooks": {}, "hyperparameters": {}, "grid": {}},  # plain SGD, no hook: the lower bound
     "ewc": {"hooks": {"extra_loss": ewc_loss, "after_task": ewc_after_task},
             "hyperparameters": {"ewc_lambda": (100.0, *AT_LEAST_0)}, "grid": {"ewc_lambda": [1e1, 1e2, 1e3, 1e4]}},
     "er": {"hooks": {"extra_loss": er_loss, "after_task": er_after_task},
            "hyperparameters": {"er_fraction": (0.1, *FRACTION)}, "grid": {}},  # a memory budget, fixed, not tuned
-    "upgd": {"hooks": {"after_backward": upgd_after_backward},
-             "hyperparameters": {"upgd_beta": (0.999, "in [0, 1)", lambda v: 0 <= v < 1),
-                                 "upgd_sigma": (0.001, *AT_LEAST_0), "upgd_weight_decay": (0.0, *AT_LEAST_0)},
+    "upgd": {"hooks": {"after_backward": upgd_after_backward}, "hyperparameters": {"upgd_beta": (0.999, *BELOW_1),
+             "upgd_sigma": (0.001, *AT_LEAST_0), "upgd_weight_decay": (0.0, *AT_LEAST_0)},
              "grid": {"upgd_beta": [0.9, 0.99, 0.999], "upgd_sigma": [0.0001, 0.001, 0.01]}},
     "agem": {"hooks": {"after_backward": agem_after_backward, "after_task": agem_after_task},
              "hyperparameters": {"agem_patterns_per_task": (50, *POSITIVE), "agem_batch": (256, *POSITIVE)},
@@ -181,8 +150,7 @@ STRATEGIES = {
 }
 
 # Each method's lr, epochs and hyperparameters per scenario, chosen on validation (docs/hyperparameters.md): "alone" at
-# its own training budget; "recl", what changes at the harder one its +ReCL variant trains at (docs/departures.md,
-# "training budget": ReCL reads back only what the network has fitted). The rest: Config's, and the defaults above.
+# its own budget, "recl" what changes at its +ReCL variant's harder one (docs/departures.md); else Config's, defaults().
 TUNED = {"cil": {
     "finetune": {"alone": {"lr": 0.01, "epochs": 10}, "recl": {"lr": 0.1, "epochs": 20}},
     "ewc": {"alone": {"lr": 0.01, "epochs": 20, "ewc_lambda": 1000.0}, "recl": {"lr": 0.1, "ewc_lambda": 100.0}},
@@ -205,9 +173,8 @@ TUNED = {"cil": {
     "joint": {"alone": {"lr": 0.1, "epochs": 40}},
 }}
 
-# A method's values on its replay arms, over the network's: by (scenario, method) for every arm, (scenario, method, arm)
-# for one; not under --paper. GPM replays without noise, as its projection learns only outside the old tasks' input
-# space, where noise trains directions real images never use; its CIL centroids keep it (docs/evidence.md, the arms'
-# knobs). ER keeps CE over all classes: its real images teach old against new (docs/networks.md, "The settings").
+# A method's values on its replay arms, by (scenario, method) for every arm, (scenario, method, arm) for one; not under
+# --paper. GPM replays without noise: it learns only outside the old tasks' input space, where noise trains what real
+# images never use; its CIL centroids keep it (docs/evidence.md). ER scores all classes: real images teach old vs new.
 ARMS = {("cil", "er"): {"ce_scope": "all"}, ("cil", "gpm"): {"replay_noise": 0.0},
         ("dil", "gpm"): {"replay_noise": 0.0}, ("cil", "gpm", "centroids"): {"replay_noise": 2.5}}
