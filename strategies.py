@@ -11,8 +11,10 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
 TRAINING_GRID = {"lr": [0.01, 0.05, 0.1], "epochs": [10, 20, 40]}  # tools/tune.py searches it besides a method's grid
+
 def defaults(method):  # a method's own hyperparameters at their literature defaults ({} for joint)
     return {k: spec[0] for k, spec in STRATEGIES.get(method, {}).get("hyperparameters", {}).items()}
+
 def check_hyperparameters(method, pairs, error=ValueError):
     """--hp's (key, value) pairs as {key: value} of each default's type; `error` (one line) at the first bad one."""
     known, checked = STRATEGIES.get(method, {}).get("hyperparameters", {}), {}
@@ -24,21 +26,27 @@ def check_hyperparameters(method, pairs, error=ValueError):
             raise error(f"--hp {key} must be {'a whole number ' if whole else ''}{meaning}, got {value}")
         checked[key] = type(default)(value)
     return checked
+
 def new_state(method, **overrides):  # the state its hooks start from
     if unknown := set(overrides) - set(defaults(method)):
         raise ValueError(f"{method} has no hyperparameter {sorted(unknown)}")
     return {**defaults(method), **overrides}
+
 def pad_to(tensor, shape):  # zero-pad each dimension at its end up to `shape`: a grown head's old values
     return F.pad(tensor, [n for have, want in zip(reversed(tensor.shape), reversed(shape)) for n in (0, want - have)])
+
 def sample_rows(x, y, n):  # n random rows (all if fewer), drawn from the global RNG
     return x[idx := torch.randperm(len(x), device=x.device)[:n]], y[idx]
+
 def collect(loader):  # a loader's rows: its batches concatenated
     return tuple(map(torch.cat, zip(*loader)))
+
 def remember(state, x, y, n):  # add n random rows of (x, y) to the episodic memory
     for key, rows in zip(("memory_x", "memory_y"), sample_rows(x, y, n)):
         state[key] = torch.cat([state.get(key, rows[:0]), rows])
 
 # --- EWC (Kirkpatrick et al. 2017, Eq. 3): lambda/2 sum_i F_i (theta_i - theta*_i)^2, theta*: the last task's weights
+
 def ewc_after_task(model, loader, state):  # F: the empirical Fisher's diagonal, summed over the tasks so far
     params = {k: v.detach() for k, v in model.named_parameters()}  # a task's F_i: its mean squared per-sample gradient
     grads = vmap(grad(lambda p, xi, yi: F.cross_entropy(functional_call(model, p, xi[None]), yi[None])), (None, 0, 0))
@@ -48,22 +56,30 @@ def ewc_after_task(model, loader, state):  # F: the empirical Fisher's diagonal,
             n, fisher = n + len(xs), {k: fisher[k] + g.pow(2).sum(0) for k, g in grads(params, xs, ys).items()}
     state["fisher"] = {k: f / n + pad_to(old[k], f.shape) if k in old else f / n for k, f in fisher.items()}
     state["anchor"] = {k: p.detach().clone() for k, p in model.named_parameters()}
+
 def ewc_loss(model, x, y, logits, state):  # 0 before the first task's end; rows a head grew since are free
     penalty = [(state["fisher"][k] * (model.get_parameter(k)[tuple(map(slice, anchor.shape))] - anchor).pow(2)).sum()
                for k, anchor in state.get("anchor", {}).items()]
     return state["ewc_lambda"] / 2 * sum(penalty)
+
 # --- ER (Chaudhry et al. 2019, "On tiny episodic memories"): each batch adds the cross-entropy of as many memory rows
+
 def er_after_task(model, loader, state):  # the memory keeps er_fraction of each task's real rows (ReCL's App. D.2)
     x, y = collect(loader)
     remember(state, x, y, max(1, round(state["er_fraction"] * len(x))))
+
 def memory_ce(model, state, n):  # the cross-entropy of n random rows of the episodic memory
     mx, my = sample_rows(state["memory_x"], state["memory_y"], n)
     return F.cross_entropy(model(mx), my)
+
 def er_loss(model, x, y, logits, state):
     return memory_ce(model, state, len(x)) if "memory_x" in state else 0.0
+
 # --- A-GEM (Chaudhry et al. 2019, Eq. 11): if g . g_ref < 0 (g_ref: on memory), step along g - g.g_ref/|g_ref|^2 g_ref
+
 def agem_after_task(model, loader, state):
     remember(state, *collect(loader), state["agem_patterns_per_task"])
+
 def agem_after_backward(model, state):
     if "memory_x" not in state:
         return
@@ -73,18 +89,24 @@ def agem_after_backward(model, state):
     if (dot := g @ g_ref) < 0:  # the step would raise the memory's loss
         for p, new in zip(params, (g - dot / (g_ref @ g_ref) * g_ref).split([p.numel() for p in params])):
             p.grad.copy_(new.view_as(p))
+
 # --- LwF (Li & Hoiem 2017): distil the previous model's outputs on the current data, lambda T^2 KL at temperature T
+
 def lwf_after_task(model, loader, state):
     state["teacher"] = copy.deepcopy(model).eval().requires_grad_(False)  # frozen: its outputs are targets
+
 def lwf_loss(model, x, y, logits, state):  # CIL: only the outputs the teacher had
     if "teacher" not in state:
         return 0.0
     old, t = state["teacher"](x), state["lwf_temperature"]
     return state["lwf_lambda"] * t * t * F.kl_div(F.log_softmax(logits[:, :old.shape[1]] / t, 1),
                                                   F.log_softmax(old / t, 1), log_target=True, reduction="batchmean")
+
 # --- GPM (Saha et al. 2021, Eq. 6-9): each layer's basis M of its inputs; grad W <- grad W (I - M M^T), W [out, fan_in]
+
 def projected_layers(model):
     return {name: m for name, m in model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))}
+
 def extend_basis(basis, activations, threshold):
     """Add top left singular vectors of R = activations off `basis` until it holds `threshold` of R's energy."""
     total = activations.pow(2).sum()
@@ -95,6 +117,7 @@ def extend_basis(basis, activations, threshold):
         return basis
     new = u[:, :min(int(((captured + s.pow(2).cumsum(0)) / total < threshold).sum()) + 1, len(s))]  # fewest to reach it
     return new if basis is None else torch.cat([basis, new], 1)[:, :activations.shape[0]]
+
 def gpm_after_task(model, loader, state):  # on a random subset, as Saha et al. sample theirs (the loader is by class)
     bases, layers, inputs, (x, y) = state.setdefault("bases", {}), projected_layers(model), {}, collect(loader)
     x = sample_rows(x, y, state["gpm_samples"])[0] if len(x) > state["gpm_samples"] else x
@@ -108,12 +131,15 @@ def gpm_after_task(model, loader, state):  # on a random subset, as Saha et al. 
         if isinstance(conv := layers[name], torch.nn.Conv2d):  # its rows: every input patch (im2col)
             r = F.unfold(r, conv.kernel_size, conv.dilation, conv.padding, conv.stride).transpose(1, 2).flatten(0, 1)
         bases[name] = extend_basis(bases.get(name), r.T, state["gpm_threshold"])
+
 def gpm_after_backward(model, state):  # biases stay free
     for name, layer in projected_layers(model).items():
         if (basis := state.get("bases", {}).get(name)) is not None and layer.weight.grad is not None:
             g = layer.weight.grad.view(len(layer.weight), -1)
             g -= (g @ basis) @ basis.T
+
 # --- UPGD (Elsayed & Mahmood 2024), global first-order form: step (grad + weight decay + noise) * (1 - scaled utility)
+
 def upgd_after_backward(model, state):  # utility u = -grad * w: to first order, the loss change if w were set to 0
     beta, utility, state["step"] = state["upgd_beta"], state.setdefault("utility", {}), state.get("step", 0) + 1
     params = [(k, p) for k, p in model.named_parameters() if p.grad is not None]

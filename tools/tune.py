@@ -3,26 +3,30 @@ import dataclasses, itertools, sys  # noqa: E401
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules, from any folder
 import data, recl, strategies, torch  # noqa: E401, E402
+
 def tune():  # a random search without repetition, seeded by --seed; saves every trial, best first; prints the best
     parser = recl.make_parser("tune.py", __doc__)
     parser.add_argument("--draws", type=int, default=10, help="settings drawn from the grid (default: 10)")
     args = parser.parse_args()
     args.variant = args.variant or "base"  # so that check refuses the +ReCL flags of a base search
-    recl.check(args)  # then tune's own refusals: each, when its condition holds, a one-line UsageError
+    recl.check(args)  # then tune's own refusals, each in one line
     grid = {**strategies.TRAINING_GRID, **strategies.STRATEGIES[args.method]["grid"]}  # lr, epochs, the method's own
     gridded = [f"--{k}" for k in grid if vars(args).get(k) is not None] + [f"--hp {k}" for k in grid if k in args.hp]
-    args.variant == "both" and parser.error("tune scores one variant: --variant base (the default) or recl")
-    args.save_images and parser.error("--save-images does not apply: tune keeps no run's reconstructions")
-    args.draws < 1 and parser.error(f"--draws must be at least 1, got {args.draws}")
-    gridded and parser.error(f"tune chooses {', '.join(gridded)} itself; leave it out")
-    args.validation and parser.error("tune always scores on the validation split; --validation does not apply")
-    args.seeds is not None and parser.error("tune searches on one seed (--seed); --seeds does not apply")
+    for refused, why in [(args.variant == "both", "tune scores one variant: --variant base (the default) or recl"),
+                         (args.save_images, "--save-images does not apply: tune keeps no run's reconstructions"),
+                         (args.draws < 1, f"--draws must be at least 1, got {args.draws}"),
+                         (gridded, f"tune chooses {', '.join(gridded)} itself; leave it out"),
+                         (args.validation, "tune always scores on the validation split; --validation does not apply"),
+                         (args.seeds is not None, "tune searches on one seed (--seed); --seeds does not apply")]:
+        if refused:
+            raise recl.UsageError(why)
     cfg = dataclasses.replace(recl.resolve(args, args.seed, recl.variants(args)[-1]), validation=True)
     name, log = recl.variant_name(cfg.method, cfg.variant), lambda *a: args.quiet or print(*a, flush=True)
     (tasks, _, mean_image, _), combos = recl.make_tasks(cfg), list(itertools.product(*grid.values()))
     recl.check_tasks(tasks, cfg)
     picks = torch.randperm(len(combos), generator=torch.Generator().manual_seed(cfg.seed))[:args.draws].tolist()
     log(f"tuning {name} {cfg.scenario}: {len(picks)} of {len(combos)} settings")
+
     def evaluate(i, chosen):  # the i-th pick's trial
         r = recl.run_continual(dataclasses.replace(cfg, lr=chosen["lr"], epochs=chosen["epochs"], hp={**cfg.hp, **{
             k: v for k, v in chosen.items() if k not in strategies.TRAINING_GRID}}), tasks, lambda *a: None, mean_image)
@@ -37,4 +41,6 @@ def tune():  # a random search without repetition, seeded by --seed; saves every
     if trials[0]["val_ACC"] is None:
         raise recl.RunFailed(f"{name} {cfg.scenario}: every trial diverged ({out})")
     print(f"{name} {cfg.scenario}: best validation ACC {trials[0]['val_ACC']:.2f}, {trials[0]['settings']} -> {out}")
-recl.run_from_command_line(tune, "tune.py")
+
+if __name__ == "__main__":
+    recl.run_from_command_line(tune, "tune.py")
