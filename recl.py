@@ -15,17 +15,24 @@ Read top to bottom:
   3. The departures, one function each, numbered as in docs/departures.md; the controls (inversion, stored images).
   4. Judging a reconstruction (SSIM, App. D.5) and Sec. 4.3's search, which Step 1 calls directly.
   5. The command line: a run's values looked up (`resolve`), the checks, `main`.
-The methods (EWC, ER, ...) are hooks in strategies.py, each an entry of STRATEGIES like
+The methods (EWC, ER, ...) are hooks in strategies.py, which `train_task` calls (part 1, with their signatures), each
+an entry of STRATEGIES like
   "ewc": {"hooks": {"extra_loss": ewc_loss, "after_task": ewc_after_task},
           "hyperparameters": {"ewc_lambda": (DEFAULT, MEANING, TEST)}, "grid": {"ewc_lambda": [VALUES]}}
-with its tuned values in TUNED[scenario]["ewc"] = {"alone": {...}, "recl": {...}}. Networks are in models.py; the
-data and the result files in data.py. `python tools/see_eq3_work.py` shows Step 1 reading training images back.
+(TEST: a function of a value, true where it is valid; the grid is what tools/tune.py searches). A run takes two
+tables from there: TUNED[scenario][method] = {"alone": {lr, epochs, own hyperparameters}, "recl": {what +ReCL's
+budget changes}}, and ARMS[(scenario, method)] or [(scenario, method, variant)] = {Config field: value} for its
+replay arms. `resolve` (part 5) says in which order; every header prints each value with its source. Networks are
+in models.py; the data and the result files in data.py. `python tools/see_eq3_work.py` shows Step 1 reading
+training images back.
 
 `--paper` (PAPER) switches every departure off and trains at the method's own budget. It keeps these choices, on in
 every run, that the paper's reference code (Buzaglo et al. 2023) makes or its text leaves open: Eq. 4 and 5 as
-squared hinges (the paper prints plain ones), weight 5 on Eq. 4, Eq. 3's sum scaled by 1/n; SGD with momentum 0.9
-for the candidates and lambdas; the lowest-loss step of a reconstruction, not its last; batch-norm statistics
-re-estimated after each task (ResNet18 only); float32 throughout.
+squared hinges (the paper prints plain ones), weight 5 on Eq. 4, Eq. 3's sum scaled by 1/n; Phi of a multi-class
+network as the margin against the best other class, one lambda per candidate (part 1); lambda_i starting from
+U(0, 1); SGD with momentum 0.9 for the candidates and lambdas, at step sizes within the paper's ranges (App. B.3);
+the lowest-loss step of a reconstruction, not its last; batch-norm statistics re-estimated after each task
+(ResNet18 only); float32 throughout. Step 2 is the paper's: SGD without momentum, batches of 64 (App. D).
 """
 import argparse
 import dataclasses
@@ -328,7 +335,7 @@ def step1(model, old_tasks, cfg, last=None, log=print):
     if cfg.rec_target == "displacement":                                   # departure 1: theta - theta_0
         target, scale = displacement_target(params, model)
     if cfg.freeze_old and last is not None:                                # departure 2: keep what was read
-        fixed = keep_earlier(labels, x, lam, *last)
+        fixed = keep_earlier(labels, x, lam, *last)                        # (writes into x and lam)
         target = less_share_of(net, params, target, x[fixed], labels[fixed], lam[fixed], len(labels))
     L_full = stationarity_loss(net, params, labels[~fixed], target, cfg.lambda_min, len(labels), scale)
     if cfg.variant == "inversion":                                         # the control: no Eq. 3
@@ -350,8 +357,9 @@ def step2(task, x_rec, y_rec, cfg, n_old_classes):
     """Step 2 for a run: the task's images with the reconstructions last, as batches and a loss.
     Returns batches(), the loss, and batches without replay noise (for batch norm's statistics)."""
     x, y, own = torch.cat([task.x_train, x_rec]), torch.cat([task.y_train, y_rec]), len(task.x_train)
+    # the paper: one set, shuffled each epoch (a DataLoader over row numbers, seeded: a seed repeats the order)
     loader = data.loader(torch.arange(len(x), device=x.device), torch.zeros(len(x)), cfg.batch_size, seed=cfg.seed)
-    rows = lambda: (r for r, _ in loader)                                  # the paper: one set, shuffled each epoch
+    rows = lambda: (r for r, _ in loader)
     if cfg.replay_batch and own < len(x):                                  # departure 9: replay in every batch
         rows = replay_in_every_batch(x, own, cfg.batch_size, cfg.replay_batch, cfg.seed)
     clean = lambda: ((x[r], y[r], r >= own) for r in rows())  # (images, labels, which are replayed)
@@ -466,8 +474,8 @@ def record_of(cfg, R, diverged, reconstructions, quality, started):
 
 
 # ==== 3. The departures from the paper, and the controls =============================================================
-# Each: what the paper does, what we do, why; docs/departures.md has the numbers under the same number (the gaps are
-# levers that lost, and have no code). `--paper` switches every one off.
+# Each: what the paper does, what we do, why; docs/departures.md has the numbers under the same number. A gap in the
+# numbering (7) is a lever that lost: it has no code. `--paper` switches every one off.
 
 # Departure 1, displacement target (`--rec-target displacement`). Paper: Eq. 3 fits theta. Here: theta - theta_0, what
 # training added, relative to its size (a grown head's new rows count from their own start, models.grow_head). Why:
@@ -500,7 +508,7 @@ def less_share_of(net, params, target, x, labels, lam, n):
 # Departure 3, filter (`--filter`). Paper: every reconstruction is replayed. Here: those the model files under another
 # class are dropped. Why: they would teach the wrong boundary (App. D.5 suggests filtering).
 @torch.no_grad()
-def classified_as_labelled(model, x, y):
+def classified_as_labelled(model, x, y):  # in eval mode, as the model is tested
     return model.eval()(x).argmax(1) == y
 
 # Departure 4, replay noise (`--replay-noise`). Paper: reconstructions are replayed as they are. Here: each time one
@@ -695,7 +703,7 @@ def resolve(args, seed, variant):
     (strategies.TUNED, ARMS), --paper's (PAPER), the control's (CONTROL, STORED), the flags given. Then the values that
     depend on others, each a named `retune` line that never overrides a flag."""
     method, scenario, model, replay = args.method, args.scenario, args.model, variant != "base"
-    # the flags given; the method alone takes none of the replay arm's but --budget recl
+    # the flags given, but those of the replay arm for the method alone (which takes only --budget of them)
     given = {k: v for k, v in vars(args).items() if v is not None and k in FIELDS and k not in ("seed", "variant", "hp")
              and (replay or k not in RECL_FIELDS or k == "budget")}
     given.update(dict(args.hp))
@@ -706,8 +714,8 @@ def resolve(args, seed, variant):
     paper = replay and bool(given.get("paper"))
     tuned = replay and not paper  # a replay arm with the values tuned here, not the paper's
     network = NETWORKS[model][scenario] if tuned else {}
-    # the method's lr, epochs and hyperparameters at a budget: the flag's; else a tuned replay arm's is +ReCL's
-    # (unless the network says otherwise: AlexNet); else (the method alone, --paper) the method's own
+    # which of the method's tuned lr, epochs and hyperparameters: at --budget if given; else +ReCL's for a replay arm
+    # (AlexNet's network entry says "alone" instead); else, for the method alone and under --paper, its own
     budget = given.get("budget", network.get("budget", "recl") if tuned else "alone")
     own = strategies.TUNED[scenario].get(method, {})  # a method not tuned yet: Config's values
     arm = {**strategies.ARMS.get((scenario, method), {}), **strategies.ARMS.get((scenario, method, variant), {})}
@@ -746,8 +754,8 @@ def resolve(args, seed, variant):
     values["set_by"], values["paper"] = set_by, paper  # the method alone is the same run with --paper or without
     if values["device"] == "auto":
         values["device"] = "cuda" if torch.cuda.is_available() else "cpu"
-    if variant == "base" and values["budget"] == "recl":  # the method alone, trained exactly as its +ReCL run trains
-        recl = resolve(args, seed, "recl")
+    if variant == "base" and values["budget"] == "recl":  # the method alone, trained exactly as its +ReCL run trains:
+        recl = resolve(args, seed, "recl")                   # that run's values, looked up as above
         values.update(lr=recl.lr, epochs=recl.epochs, hp=recl.hp,
                       ce_scope="new" if recl.ce_scope == "local" else recl.ce_scope)  # local needs replayed rows
         values["set_by"].update({k: "budget" for k in ("lr", "epochs", "ce_scope", *recl.hp) if k not in given})
@@ -929,8 +937,8 @@ def main(argv=None):
     """Flags, checked -> a Config per seed and variant, all checked -> run_continual -> a JSON file each."""
     argv = sys.argv[1:] if argv is None else argv
     args = make_parser().parse_args(argv)
-    data.provenance()  # the code this process loaded, named now
-    check(args)
+    data.provenance()  # the commit, library and machine this process runs with, read now; stored in every record
+    check(args)  # the flags' ranges and combinations, --hp, a writable --out (data.check_writable)
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
     runs = [resolve(args, seed, variant) for seed in range(args.seed, args.seed + (args.seeds or 1))
             for variant in variants(args)]
@@ -956,7 +964,7 @@ def main(argv=None):
         record.update(dataset=Path(cfg.dataset).stem if pt else cfg.dataset, class_order=class_order,
                       classes_left_out=left_out, config=dataclasses.asdict(cfg), digest=digest(cfg),
                       provenance=data.provenance(), **({"dataset_sha256": data.file_sha256(cfg.dataset)} if pt else {}))
-        data.write_json_atomically(path, record)
+        data.write_json_atomically(path, record)  # to a temporary name, then renamed: never half a file
         if record["diverged"]:
             failed.append(f"{name} {cfg.scenario} seed {cfg.seed}: {record['diverged']}; marked so in {path}, "
                           f"never averaged")
