@@ -1,6 +1,6 @@
 """Networks for ReCL, whose theory (App. B.1) needs *homogeneous* ones: weights scaled by c scale the output by c^L, as
 in ReLU nets without biases. As in App. D.1 only the first layer has a bias; no head has one, so it can grow."""
-import copy, importlib
+import importlib
 import torch
 import torch.nn as nn
 
@@ -89,36 +89,3 @@ def grow_head(model, n_classes):  # widen the output layer to n_classes, keeping
     if hasattr(model, "start"):  # the new rows start where they were initialised
         start = model.start["head.weight"]
         model.start["head.weight"] = torch.cat([start, new.weight[old.out_features:].detach().to(start.device)])
-
-class SmoothBackwardReLUFunction(torch.autograd.Function):
-    """relu(z) forward, sigmoid(alpha z) for the step backward. Reconstruction differentiates *through* the gradients,
-    where the step's second derivative is zero almost everywhere: after Haim et al. (2022) the backward is that of a
-    rounded ReLU, softplus_alpha(z) = log(1 + e^(alpha z)) / alpha, in plain operations that autograd differentiates."""
-    generate_vmap_rule = True  # torch.func takes it through vmap
-
-    @staticmethod
-    def forward(z, alpha):
-        return z.clamp_min(0)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        z, ctx.alpha = inputs
-        ctx.save_for_backward(z)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        return grad_out * torch.sigmoid(ctx.alpha * ctx.saved_tensors[0]), None
-
-class SmoothBackwardReLU(nn.Module):
-    def __init__(self, alpha):
-        super().__init__()
-        self.alpha = alpha
-
-    def forward(self, z):
-        return SmoothBackwardReLUFunction.apply(z, self.alpha)
-
-def with_smooth_relu(model, alpha):  # a copy of model whose ReLUs have the smooth backward pass (for reconstruction)
-    for parent in (copied := copy.deepcopy(model)).modules():
-        for name in [name for name, child in parent.named_children() if isinstance(child, nn.ReLU)]:
-            setattr(parent, name, SmoothBackwardReLU(alpha))
-    return copied

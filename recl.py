@@ -19,12 +19,13 @@ The methods (EWC, ER, ...) are hooks in strategies.py, which `train_task` calls 
 an entry of STRATEGIES like
   "ewc": {"hooks": {"extra_loss": ewc_loss, "after_task": ewc_after_task},
           "hyperparameters": {"ewc_lambda": (DEFAULT, MEANING, TEST)}, "grid": {"ewc_lambda": [VALUES]}}
-(TEST: a function of a value, true where it is valid; the grid is what tools/tune.py searches). A run takes two
-tables from there: TUNED[scenario][method] = {"alone": {lr, epochs, own hyperparameters}, "recl": {what +ReCL's
-budget changes}}, and ARMS[(scenario, method)] or [(scenario, method, variant)] = {Config field: value} for its
-replay arms. `resolve` (part 5) says in which order; every header prints each value with its source. Networks are
-in models.py; the data and the result files in data.py. `python tools/see_eq3_work.py` shows Step 1 reading
-training images back.
+(TEST: a function of a value, true where it is valid; the grid is what tools/tune.py searches; strategies.py's
+helpers read the entry: a new method needs no other edit). A run takes one table from there: TUNED[scenario][method] =
+{"alone": {lr, epochs, own hyperparameters}, "recl": {what +ReCL's budget changes}}; a method's values for its replay
+arms are ARMS, in part 0. A method that needs another hook point adds its call to `train_task` or
+`run_continual`. `resolve` (part 5) says in which order; every header prints each value with its source.
+Networks are in models.py; the data and the result files in data.py. `python tools/see_eq3_work.py` shows Step 1
+reading training images back.
 
 `--paper` (PAPER) switches every departure off and trains at the method's own budget. It keeps these choices, on in
 every run, that the paper's reference code (Buzaglo et al. 2023) makes or its text leaves open: Eq. 4 and 5 as
@@ -35,6 +36,7 @@ the lowest-loss step of a reconstruction, not its last; batch-norm statistics re
 (ResNet18 only); float32 throughout. Step 2 is the paper's: SGD without momentum, batches of 64 (App. D).
 """
 import argparse
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -70,7 +72,7 @@ COUNT = dict(above=0, high=100_000)  # far beyond any study here, far short of f
 class Config:
     """Every value one run uses. The defaults are the MLP's +ReCL run on SplitMNIST, but for the lr, epochs and
     hyperparameters each method tunes (strategies.TUNED). The replay arm's fields, `m` to `trials`, are None for the
-    method alone (and those of Eq. 3-5 for the controls, which skip them)."""
+    method alone, but `budget` (and those of Eq. 3-5 for the controls, which skip them)."""
     # what runs
     dataset: str = setting("mnist", "mnist (shipped), fashion-mnist, cifar10, or a .pt")
     scenario: str = setting("cil", "class-incremental (a growing head) or domain-incremental", choices=["cil", "dil"])
@@ -83,7 +85,7 @@ class Config:
     # data
     n_per_class: int | None = setting(100, "training images per class, or 'all'", kind=per_class, above=0)
     classes_per_task: int = setting(2, "classes per task", above=0)
-    validation: bool = setting(False, "score on 20%% of each task's training images, held out, not the test set")
+    validation: bool = setting(False, "score on a fifth of each task's training images, held out, not the test set")
     data_root: str = setting("data", "where fashion-mnist and cifar10 live")
     # training (Step 2)
     lr: float = setting(0.05, "SGD learning rate", above=0, high=10.0)
@@ -147,8 +149,13 @@ NETWORKS = {"mlp": {"cil": {}, "dil": {"ce_weight": 0.0}},
                     "dil": {**CONV, "replay_noise": 1.0, "ce_weight": 0.0}},
             "resnet18": {"cil": RESNET, "dil": {**RESNET, "ce_weight": 0.0}}}
 NETWORKS["alexnet"] = {scenario: {**values, "budget": "alone"} for scenario, values in NETWORKS["cnn"].items()}
-# From strategies.py a run takes TUNED (each method's lr, epochs and own hyperparameters, alone and at +ReCL's budget)
-# and ARMS (a few per-arm values: GPM replays without noise, ER keeps cross-entropy over all classes).
+# A method's values on its replay arms, by (scenario, method) for every arm, (scenario, method, arm) for one; not under
+# --paper. GPM replays without noise: it learns only outside the old tasks' input space, where noise trains what real
+# images never use; its CIL centroids keep it (docs/evidence.md). ER scores all classes: real images teach old vs new.
+ARMS = {("cil", "er"): {"ce_scope": "all"}, ("cil", "gpm"): {"replay_noise": 0.0},
+        ("dil", "gpm"): {"replay_noise": 0.0}, ("cil", "gpm", "centroids"): {"replay_noise": 2.5}}
+# From strategies.py a run takes only TUNED: each method's lr, epochs and own hyperparameters, alone and at +ReCL's
+# budget (the docstring shows its form).
 
 # ==== 1. The paper ===================================================================================================
 #
@@ -181,7 +188,7 @@ NETWORKS["alexnet"] = {scenario: {**values, "budget": "alone"} for scenario, val
 # The paper prints Eq. 3 without 1/n, L_lambda = sum_i max(-lambda_i, -lambda_min) and L_prior = sum_{i,k}
 # max(x_ik - 1, -x_ik - 1, 0). Like the reference code (Buzaglo et al. 2023), Eq. 4 and 5 are squared hinges here
 # (smooth), and the sum is scaled by 1/n so that lambda_min means the same for any n. The norm runs over every
-# parameter (the MLP's first-layer bias too). `scale` multiplies L_rec: 1 here; departure 1 divides by
+# parameter (the MLP, models.py: D-1000-1000-C with ReLUs, a bias on its first layer only, none on its head). `scale` multiplies L_rec: 1 here; departure 1 divides by
 # |theta - theta_0|^2, so that L_rec is the share left, whatever the network.
 #
 # Why lambda_min, not just lambda >= 0: lambda_i = 0 is feasible and takes x_i out of the sum, so the optimiser
@@ -192,7 +199,7 @@ NETWORKS["alexnet"] = {scenario: {**values, "budget": "alone"} for scenario, val
 #   - A double backward. L_rec contains grad_theta Phi(theta; x_i), and Step 1 needs its gradient in x_i and
 #     lambda_i: a derivative of a derivative. torch.func.grad builds the inner gradient as a graph that autograd can
 #     differentiate again; loss.backward() in `reconstruct` then goes through it.
-#   - The smooth ReLU (models.with_smooth_relu). ReLU's derivative is a step in z: the activation pattern, which
+#   - The smooth ReLU (`with_smooth_relu`, below). ReLU's derivative is a step in z: the activation pattern, which
 #     decides grad_theta Phi, moves with x, but the step's derivative is zero, so that dependence is invisible to
 #     the outer gradient. The copy Step 1 uses keeps ReLU's forward (the margins are the network's own) and uses
 #     sigmoid(alpha z) as its derivative in every backward, so grad_theta Phi in Eq. 3 is the surrogate's too:
@@ -201,6 +208,40 @@ NETWORKS["alexnet"] = {scenario: {**values, "budget": "alone"} for scenario, val
 #     linear, provided each Phi(x_i) depends on its own x_i only. That holds in eval mode (batch norm uses its running
 #     statistics, no dropout); in train mode batch norm mixes the candidates of a batch and the identity fails.
 #     `step1` puts its copy in eval mode; a test checks the one-pass form against vmap's per-candidate gradients.
+
+class SmoothBackwardReLU(torch.autograd.Function):
+    """relu(z) forward; backward sigmoid(alpha z), the derivative of the rounded ReLU log(1 + e^(alpha z)) / alpha
+    (Haim et al. 2022), in plain operations that autograd differentiates again in Step 1's double backward."""
+    generate_vmap_rule = True  # torch.func takes it through vmap
+
+    @staticmethod
+    def forward(z, alpha):
+        return z.clamp_min(0)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        z, ctx.alpha = inputs
+        ctx.save_for_backward(z)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return grad_out * torch.sigmoid(ctx.alpha * ctx.saved_tensors[0]), None
+
+class SmoothReLU(torch.nn.Module):  # the module that stands in for each nn.ReLU
+    def __init__(self, alpha):
+        super().__init__()
+        self.alpha = alpha
+
+    def forward(self, z):
+        return SmoothBackwardReLU.apply(z, self.alpha)
+
+def with_smooth_relu(model, alpha):
+    """A copy of `model` whose every ReLU is SmoothReLU(alpha): the network Step 1 differentiates."""
+    copied = copy.deepcopy(model)
+    for parent in copied.modules():
+        for name in [name for name, child in parent.named_children() if isinstance(child, torch.nn.ReLU)]:
+            setattr(parent, name, SmoothReLU(alpha))
+    return copied
 
 def margins(model, params, x, y):
     """Phi_y(x) - max_{j != y} Phi_j(x) for a batch, with the network's weights as `params`."""
@@ -327,7 +368,7 @@ def step1(model, old_tasks, cfg, last=None, log=print):
     `last`: the previous reconstruction (x, labels, lambdas). Returns x, labels, lambdas, report."""
     device = next(model.parameters()).device
     labels = candidate_labels(model.head.out_features, cfg.m, len(old_tasks), cfg.scenario).to(device)
-    net = models.with_smooth_relu(model, cfg.alpha).eval()  # a copy for Step 1: smooth backward, eval mode (part 1)
+    net = with_smooth_relu(model, cfg.alpha).eval()  # a copy for Step 1: smooth backward, eval mode (part 1)
     params = {k: v.detach() for k, v in net.named_parameters()}
     x, lam = (v.to(device) for v in random_start(len(labels), old_tasks[0].x_train.shape[1:], cfg.sigma_x, cfg.seed))
     fixed = torch.zeros(len(labels), dtype=torch.bool, device=device)
@@ -337,9 +378,10 @@ def step1(model, old_tasks, cfg, last=None, log=print):
     if cfg.freeze_old and last is not None:                                # departure 2: keep what was read
         fixed = keep_earlier(labels, x, lam, *last)                        # (writes into x and lam)
         target = less_share_of(net, params, target, x[fixed], labels[fixed], lam[fixed], len(labels))
-    L_full = stationarity_loss(net, params, labels[~fixed], target, cfg.lambda_min, len(labels), scale)
     if cfg.variant == "inversion":                                         # the control: no Eq. 3
         L_full = inversion_loss(net, params, labels[~fixed])
+    else:
+        L_full = stationarity_loss(net, params, labels[~fixed], target, cfg.lambda_min, len(labels), scale)
     if cfg.ce_weight:                                                      # departure 5 (None for the control)
         L_full = plus_inversion_term(L_full, net, params, labels[~fixed], cfg.ce_weight)
     if cfg.rec_precision == "bfloat16":  # products in bfloat16, summed in float32: not a departure in what is computed
@@ -357,7 +399,7 @@ def step2(task, x_rec, y_rec, cfg, n_old_classes):
     """Step 2 for a run: the task's images with the reconstructions last, as batches and a loss.
     Returns batches(), the loss, and batches without replay noise (for batch norm's statistics)."""
     x, y, own = torch.cat([task.x_train, x_rec]), torch.cat([task.y_train, y_rec]), len(task.x_train)
-    # the paper: one set, shuffled each epoch (a DataLoader over row numbers, seeded: a seed repeats the order)
+    # the paper: one set, shuffled each epoch (a DataLoader over row numbers, with dummy labels; seeded)
     loader = data.loader(torch.arange(len(x), device=x.device), torch.zeros(len(x)), cfg.batch_size, seed=cfg.seed)
     rows = lambda: (r for r, _ in loader)
     if cfg.replay_batch and own < len(x):                                  # departure 9: replay in every batch
@@ -700,8 +742,8 @@ def search_reconstruction(model, old_tasks, cfg, last=None, log=print, mean_imag
 def resolve(args, seed, variant):
     """One run's Config from the command line's `args` (None: not given), looked up in a fixed order, each source over
     those before: Config's defaults, the network's (NETWORKS, replay arms), the method's at the run's budget
-    (strategies.TUNED, ARMS), --paper's (PAPER), the control's (CONTROL, STORED), the flags given. Then the values that
-    depend on others, each a named `retune` line that never overrides a flag."""
+    (strategies.TUNED, then ARMS for a replay arm), --paper's (PAPER), the control's (CONTROL, STORED), the flags
+    given. Then the values that depend on others, each a named `retune` line that never overrides a flag."""
     method, scenario, model, replay = args.method, args.scenario, args.model, variant != "base"
     # the flags given, but those of the replay arm for the method alone (which takes only --budget of them)
     given = {k: v for k, v in vars(args).items() if v is not None and k in FIELDS and k not in ("seed", "variant", "hp")
@@ -718,7 +760,7 @@ def resolve(args, seed, variant):
     # (AlexNet's network entry says "alone" instead); else, for the method alone and under --paper, its own
     budget = given.get("budget", network.get("budget", "recl") if tuned else "alone")
     own = strategies.TUNED[scenario].get(method, {})  # a method not tuned yet: Config's values
-    arm = {**strategies.ARMS.get((scenario, method), {}), **strategies.ARMS.get((scenario, method, variant), {})}
+    arm = {**ARMS.get((scenario, method), {}), **ARMS.get((scenario, method, variant), {})}
     sources = {"default": {**DEFAULTS, **strategies.defaults(method), "seed": seed, "variant": variant},
                "network": network,
                "method": {**own.get("alone", {}), **own.get(budget, {}), **(arm if tuned else {})},

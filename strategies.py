@@ -198,9 +198,3 @@ TUNED = {"cil": {
     "gpm": {"alone": {"lr": 0.1, "epochs": 20, "gpm_threshold": 0.9}, "recl": {}},
     "joint": {"alone": {"lr": 0.1, "epochs": 40}},
 }}
-
-# A method's values on its replay arms, by (scenario, method) for every arm, (scenario, method, arm) for one; not under
-# --paper. GPM replays without noise: it learns only outside the old tasks' input space, where noise trains what real
-# images never use; its CIL centroids keep it (docs/evidence.md). ER scores all classes: real images teach old vs new.
-ARMS = {("cil", "er"): {"ce_scope": "all"}, ("cil", "gpm"): {"replay_noise": 0.0},
-        ("dil", "gpm"): {"replay_noise": 0.0}, ("cil", "gpm", "centroids"): {"replay_noise": 2.5}}

@@ -52,7 +52,7 @@ def test_acc_and_bwt_are_eq1_and_eq2_by_hand():
 
 def test_eq3s_sum_in_one_backward_pass_equals_one_gradient_per_candidate():
     torch.manual_seed(0)
-    model = models.with_smooth_relu(models.MLP(12, 3, hidden=7), alpha=50.0).eval()
+    model = recl.with_smooth_relu(models.MLP(12, 3, hidden=7), alpha=50.0).eval()
     params = {k: v.detach() for k, v in model.named_parameters()}
     x, y, lam = torch.randn(6, 12), torch.arange(6) % 3, torch.rand(6)
     fast, reference = recl.weighted_gradient_sum(model, params, x, y, lam), recl.weighted_gradient_sum_vmap(model, params, x, y, lam)
@@ -64,7 +64,7 @@ Z, S = torch.linspace(-1, 1, 9), torch.sigmoid(10.0 * torch.linspace(-1, 1, 9))
 @pytest.mark.parametrize("order, expected", [(0, torch.relu(Z)), (1, S), (2, 10.0 * S * (1 - S))],
                          ids=["relu-forward", "sigmoid-backward", "its-derivative"])
 def test_the_smooth_relu_is_relu_forward_with_sigmoid_alpha_z_as_its_derivative(order, expected):
-    form = lambda u: models.SmoothBackwardReLUFunction.apply(u, 10.0)
+    form = lambda u: recl.SmoothBackwardReLU.apply(u, 10.0)
     for _ in range(order):  # d/dz sigmoid(alpha z) = alpha s (1 - s)
         form = (lambda f: grad(lambda u: f(u).sum()))(form)
     torch.testing.assert_close(form(Z), expected)
@@ -201,7 +201,7 @@ def test_adams_first_step_moves_each_pixel_and_lambda_by_its_step_size(trained):
 
 def test_the_inversion_controls_loss_is_cross_entropy_plus_the_prior(trained):
     model, _, _, _ = trained
-    net, labels = models.with_smooth_relu(model, 100.0), torch.tensor([0, 1] * 3)
+    net, labels = recl.with_smooth_relu(model, 100.0), torch.tensor([0, 1] * 3)
     x = (0.7 * randn(6, 1, 28, 28)).requires_grad_()  # some pixels outside [-1, 1]: the prior has a gradient
     terms = recl.inversion_loss(net, dict(net.named_parameters()), labels)(x, None)
     by_hand = F.cross_entropy(net(x), labels, reduction="sum") + F.relu(x.abs() - 1).pow(2).sum()
@@ -434,7 +434,7 @@ def test_resolve_gives_a_replay_variant_its_networks_values():
 
 def test_resolve_puts_the_methods_values_over_the_networks():
     cfg = resolved("--model", "cnn", "--scenario", "dil", "--method", "gpm")  # the CNN's DIL noise is 1
-    assert (cfg.replay_noise, cfg.set_by["replay_noise"]) == (strategies.ARMS[("dil", "gpm")]["replay_noise"], "method")
+    assert (cfg.replay_noise, cfg.set_by["replay_noise"]) == (recl.ARMS[("dil", "gpm")]["replay_noise"], "method")
 
 @pytest.mark.parametrize("flags, field, table", [
     (["--method", "ewc"], "lr", 0.1),  # the method's table

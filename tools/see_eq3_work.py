@@ -23,7 +23,7 @@ FULL, QUICK = dict(per_digit=2, train_steps=4000, rec_steps=3000), dict(per_digi
 def read_out(name, model, n, shape, steps, seed, log):
     """Step 1, Eq. 3's target theta itself (not ReCL's theta - theta_0): n candidates, half per class, same start."""
     log(f"Eq. 3-6 on the {name} network's weights, {steps} steps:")
-    net = models.with_smooth_relu(model, ALPHA).eval()  # a copy, backward sigmoid(alpha z): Eq. 3 has a gradient in x
+    net = recl.with_smooth_relu(model, ALPHA).eval()  # a copy, backward sigmoid(alpha z): Eq. 3 has a gradient in x
     theta = {k: v.detach() for k, v in net.named_parameters()}
     labels = recl.candidate_labels(2, n // 2, 1, "cil")  # fixed labels, n/2 per class
     L_full = recl.stationarity_loss(net, theta, labels, theta, LAMBDA_MIN, n)  # Eq. 6 = Eq. 3 + Eq. 4 + Eq. 5
