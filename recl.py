@@ -72,7 +72,7 @@ COUNT = dict(above=0, high=100_000)  # far beyond any study here, far short of f
 class Config:
     """Every value one run uses. The defaults are the MLP's +ReCL run on SplitMNIST, but for the lr, epochs and
     hyperparameters each method tunes (strategies.TUNED). The replay arm's fields, `m` to `trials`, are None for the
-    method alone, but `budget` (and those of Eq. 3-5 for the controls, which skip them)."""
+    method alone, except `budget` (and those of Eq. 3-5 for the controls, which skip them)."""
     # what runs
     dataset: str = setting("mnist", "mnist (shipped), fashion-mnist, cifar10, or a .pt")
     scenario: str = setting("cil", "class-incremental (a growing head) or domain-incremental", choices=["cil", "dil"])
@@ -188,8 +188,10 @@ ARMS = {("cil", "er"): {"ce_scope": "all"}, ("cil", "gpm"): {"replay_noise": 0.0
 # The paper prints Eq. 3 without 1/n, L_lambda = sum_i max(-lambda_i, -lambda_min) and L_prior = sum_{i,k}
 # max(x_ik - 1, -x_ik - 1, 0). Like the reference code (Buzaglo et al. 2023), Eq. 4 and 5 are squared hinges here
 # (smooth), and the sum is scaled by 1/n so that lambda_min means the same for any n. The norm runs over every
-# parameter (the MLP, models.py: D-1000-1000-C with ReLUs, a bias on its first layer only, none on its head). `scale` multiplies L_rec: 1 here; departure 1 divides by
-# |theta - theta_0|^2, so that L_rec is the share left, whatever the network.
+# parameter (the MLP of models.py is D-1000-1000-C with nn.ReLU modules, a bias on its first layer only, none on its
+# head). `scale` multiplies L_rec: 1 here; departure 1 divides by |theta - theta_0|^2, so that L_rec is the share
+# left, whatever the network. Eq. 5's [-1, 1] holds the data: data.py scales pixels to [0, 1] and subtracts the
+# training set's mean image.
 #
 # Why lambda_min, not just lambda >= 0: lambda_i = 0 is feasible and takes x_i out of the sum, so the optimiser
 # could explain theta with a few candidates and leave the rest as noise. Eq. 4 pushes every lambda_i above
