@@ -1,5 +1,5 @@
 """The tables of the run records in a folder: one row per config, mean (std) over seeds; per method, each arm and
-+ReCL's paired differences with their 95% intervals. Usage: aggregate.py DIR"""
++ReCL's paired differences with their 95% intervals; the validation searches' choices. Usage: aggregate.py DIR"""
 import json, math, sys  # noqa: E401
 from pathlib import Path
 from statistics import mean, stdev
@@ -60,29 +60,43 @@ def config_tables(records, title):
     return tables + [f"#### {title}: the arms\n\n{acc}\n\nPaired over seeds: mean [95% t-interval] and the seeds where "
                      f"+ReCL is above; bold when the interval excludes 0.\n\n{diff}"]
 
+def tuning_table(searches):
+    """The setting each validation search (tools/tune.py) chose, ready for strategies.TUNED."""
+    best = lambda r: max(r["trials"], key=lambda t: -math.inf if t["val_ACC"] is None else t["val_ACC"])
+    order = lambda r: (r["dataset"], r["scenario"], method_rank(r["method"].split("+")[0]))
+    chosen = lambda r: ", ".join(f"{k} {v:g}" for k, v in best(r)["settings"].items())
+    rows = [row(r["dataset"], r["scenario"], r["method"], chosen(r),
+                "all diverged" if best(r)["val_ACC"] is None else f"{best(r)['val_ACC']:.2f}", len(r["trials"]))
+            for r in sorted(searches, key=order)]
+    return "### Validation searches\n\n" + table(("dataset", "scenario", "method", "chosen (validation)", "val ACC",
+                                                   "trials"), rows)
+
 def aggregate(folder, say=lambda message: print(message, file=sys.stderr)):
     """The tables of `folder`'s records, one per dataset, scenario and split."""
     if not Path(folder).is_dir():
         raise recl.UsageError(f"{folder} is not a folder")
-    records = []
+    records, searches = [], []
     for path in sorted(Path(folder).glob("*.json")):  # any other JSON file is named in one line and skipped
         try:
             r, why = json.loads(path.read_text()), None
         except (OSError, ValueError) as err:
             r, why = None, f"unreadable ({err})"
-        if why or (missing := [k for k in RUN_KEYS if k not in r] if isinstance(r, dict) else ["a JSON object"]):
+        if not why and isinstance(r, dict) and {"trials", "draws"} <= set(r):  # a validation search's record
+            searches.append(r)
+        elif why or (missing := [k for k in RUN_KEYS if k not in r] if isinstance(r, dict) else ["a JSON object"]):
             say(f"skipping {path}: " + (why or f"not a run record (no {', '.join(missing[:3])})"))
         elif bad := [k for k in ("ACC", "BWT") if not r.get("diverged") and not ok(r, k)]:
             say(f"skipping {path}: {bad[0]} is not a number ({r[bad[0]]!r})")
         else:
             records.append(r)
-    if not records:
+    if not records and not searches:
         raise recl.UsageError(f"no finished runs (*.json) in {folder}")
     records.sort(key=lambda r: (method_rank(r["method"]), [*ARMS, arm(r)].index(arm(r)), r["seed"]))
     table_of = lambda r: (r["dataset"], r["scenario"], bool(r["config"].get("validation")))
-    return "\n\n".join(block for dataset, scenario, validation in sorted({table_of(r) for r in records}) for block in
-                       config_tables([r for r in records if table_of(r) == (dataset, scenario, validation)],
-                                     f"{dataset}, {scenario.upper()}{' (validation split)' * validation}")) + "\n"
+    blocks = [block for dataset, scenario, validation in sorted({table_of(r) for r in records}) for block in
+              config_tables([r for r in records if table_of(r) == (dataset, scenario, validation)],
+                            f"{dataset}, {scenario.upper()}{' (validation split)' * validation}")]
+    return "\n\n".join([tuning_table(searches)] * bool(searches) + blocks) + "\n"
 
 if __name__ == "__main__":
     parser = recl.Parser(prog="aggregate.py", description=__doc__.split("\n\n")[0])
