@@ -856,7 +856,8 @@ def make_parser(prog="recl.py", description="Train a continual-learning method a
     return p
 
 RECL_FLAGS = [k for k in RECL_FIELDS if k != "budget"] + ["paper", "replay_source", "save_images"]
-first_given = lambda a, names: next((f"--{k.replace('_', '-')}" for k in names if getattr(a, k, None) is not None), 0)
+first_given = lambda a, names: next((f"--{k.replace('_', '-')}" for k in names if getattr(a, k, None) is not None),
+                                    None)  # the first of `names` given as a flag
 
 def check(args, probe_out=True):
     """Refuse, in one line, what makes no sense or would do nothing, before any work starts; args.hp becomes a dict."""
