@@ -444,7 +444,8 @@ def run_continual(cfg, tasks, log=print, mean_image=None, judge=False, image_pat
             if cfg.filter:  # departure 3: drop those the model (of the old classes) files under another class
                 keep = classified_as_labelled(model, x_rec, y_rec)
                 x_rec, y_rec = x_rec[keep], y_rec[keep]
-            reconstructions.append({"task": t + 1, **report, "kept": len(x_rec), "seconds": round(time.time() - start, 2)})
+            seconds = round(time.time() - start, 2)
+            reconstructions.append({"task": t + 1, **report, "kept": len(x_rec), "seconds": seconds})
             log(f"  [{name}] task {t + 1}: " + said(reconstructions[-1]))
             if judge and len(x_rec):
                 quality.append(report_reconstruction(name, tasks[:t], x_rec, y_rec, cfg, mean_image, image_path, log))
