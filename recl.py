@@ -15,19 +15,32 @@ Read top to bottom:
   3. The departures, one function each, numbered as in docs/departures.md; the controls (inversion, stored images).
   4. Judging a reconstruction (SSIM, App. D.5) and Sec. 4.3's search, which Step 1 calls directly.
   5. The command line: a run's values looked up (`resolve`), the checks, `main`.
-The methods (EWC, ER, ...) are hooks in strategies.py, which `train_task` calls (part 1, with their signatures), each
-an entry of STRATEGIES like
+The methods (EWC, ER, ...) are hooks in strategies.py, each an entry of its STRATEGIES like
   "ewc": {"hooks": {"extra_loss": ewc_loss, "after_task": ewc_after_task},
           "hyperparameters": {"ewc_lambda": (DEFAULT, MEANING, TEST)}, "grid": {"ewc_lambda": [VALUES]}}
-(TEST: a function of a value, true where it is valid; the grid is what tools/tune.py searches; strategies.py's
-helpers read the entry: a new method needs no other edit). A run takes one table from there: TUNED[scenario][method] =
-{"alone": {lr, epochs, own hyperparameters}, "recl": {what +ReCL's budget changes}}; a method's values for its replay
-arms are ARMS, in part 0. A method that needs another hook point adds its call to `train_task` or
-`run_continual`. `resolve` (part 5) says in which order; every header prints each value with its source.
-Networks are in models.py; the data and the result files in data.py. `python tools/see_eq3_work.py` shows Step 1
-reading training images back.
+(TEST: a function of a value, true where it is valid; the grid is what tools/tune.py searches; joint is an entry
+with no hooks). The hooks, any of three, each called where it acts (part 1 and `run_continual`):
+  extra_loss(model, x, y, logits, state) -> a loss added to the batch's;  after_backward(model, state), which may
+  rewrite the .grad of parameters;  after_task(model, loader, state), after a task, on its real images.
+`state` is a dict that starts as the method's hyperparameters (strategies.new_state) and that its hooks keep across
+tasks. A run takes one more table from strategies.py: TUNED[scenario][method] = {"alone": {lr, epochs, own
+hyperparameters}, "recl": {what +ReCL's budget changes}}. `resolve` (part 5) says in which order a run's values are
+looked up; every header prints each value with its source. Networks are in models.py; the data and the result
+files in data.py. `python tools/see_eq3_work.py` shows Step 1 reading training images back.
 
-`--paper` (PAPER) switches every departure off and trains at the method's own budget. It keeps these choices, on in
+Adding a method: its STRATEGIES entry (hyperparameters named unlike Config's fields: they share one dict in
+`resolve`), its TUNED values (ARMS, part 0, if an arm needs its own), and a test of its hooks against a reference.
+`--method`, run_all.sh and tools/ read STRATEGIES and keep no list of methods. A method that needs another hook
+point adds its call to `train_task` or `run_continual`.
+Adding a departure: a Config field among the replay fields, from `m` (before them if the method alone takes it too,
+like `ce_scope`, and then also in the last lines of `resolve`, which train the method alone at +ReCL's budget); its
+"off" value in PAPER; its value in NETWORKS where a network differs; in CONTROL if inversion skips it (the stored
+controls skip every replay field but those STORED's line names); its function in part 3 and one `if` line where it
+acts; where it needs them, a `retune` line and a refusal in `check`; a test on a trained net and a section in
+docs/departures.md. Its flag, range check and header entry follow from the field. A new field renames every result.
+
+`--paper` (PAPER) switches every departure off and trains at the method's own budget: the paper's method, with
+what it leaves open filled in. It keeps these choices, on in
 every run, that the paper's reference code (Buzaglo et al. 2023) makes or its text leaves open: Eq. 4 and 5 as
 squared hinges (the paper prints plain ones), weight 5 on Eq. 4, Eq. 3's sum scaled by 1/n; Phi of a multi-class
 network as the margin against the best other class, one lambda per candidate (part 1); lambda_i starting from
@@ -72,7 +85,7 @@ COUNT = dict(above=0, high=100_000)  # far beyond any study here, far short of f
 class Config:
     """Every value one run uses. The defaults are the MLP's +ReCL run on SplitMNIST, but for the lr, epochs and
     hyperparameters each method tunes (strategies.TUNED). The replay arm's fields, `m` to `trials`, are None for the
-    method alone, except `budget` (and those of Eq. 3-5 for the controls, which skip them)."""
+    method alone, unless `--budget` is given (and those of Eq. 3-5 for the controls, which skip them)."""
     # what runs
     dataset: str = setting("mnist", "mnist (shipped), fashion-mnist, cifar10, or a .pt")
     scenario: str = setting("cil", "class-incremental (a growing head) or domain-incremental", choices=["cil", "dil"])
