@@ -78,17 +78,24 @@ def load_tensor_file(path):
     except Exception as err:  # missing, a folder, another format, or a pickle that would run code
         raise DataError(f"{path} is not a file saved with torch.save ({type(err).__name__})") from None
     keys = ("x_train", "y_train", "x_test", "y_test")
-    x_train, y_train, x_test, y_test = (content.get(k) if isinstance(content, dict) else None for k in keys)
-    for split, x, y in (("train", x_train, y_train), ("test", x_test, y_test)):  # NaN fails 0 <= x.min()
-        need(all(isinstance(t, torch.Tensor) and t.layout == torch.strided for t in (x, y)) and x.dim() in (2, 4)
-             and len(x) and x[0].numel() and x.shape[1:] == x_train.shape[1:] and y.shape == (len(x),)
-             and (x.dtype == torch.uint8 or x.dtype.is_floating_point and 0 <= x.min() and x.max() <= 1)
-             and not (y.dtype.is_floating_point or y.dtype.is_complex or y.dtype == torch.bool)
-             and 0 <= y.min() and y.max() < len(k := y_train.unique()) and torch.equal(k, torch.arange(len(k))),
-             f"{path} must hold a dict of dense tensors {', '.join(keys)}: x [N, C, H, W] or [N, D] (test as train), "
-             f"uint8 or float in [0, 1]; y one label a row in 0..K-1, each in y_train; x_{split} or y_{split} is not")
+    need(isinstance(content, dict) and all(isinstance(content.get(k), torch.Tensor) for k in keys),
+         f"{path} must hold a dict of the tensors {', '.join(keys)}")
+    x_train, y_train, x_test, y_test = (content[k] for k in keys)
+    for split, x, y in (("train", x_train, y_train), ("test", x_test, y_test)):  # each check once those above pass
+        for ok, expected in (
+                (lambda: x.layout == y.layout == torch.strided, "{x} and {y} must be dense (save them .to_dense())"),
+                (lambda: x.dim() in (2, 4) and len(x) > 0 and x[0].numel() > 0, "{x} must be [N, C, H, W] or [N, D]"),
+                (lambda: x.shape[1:] == x_train.shape[1:], "{x} must be shaped as x_train"),
+                (lambda: y.shape == (len(x),), "{y} must hold one label a row of {x}"),
+                (lambda: not (y.dtype.is_floating_point or y.dtype.is_complex or y.dtype == torch.bool),
+                 "{y} must hold integer labels"),
+                (lambda: x.dtype == torch.uint8 or x.dtype.is_floating_point and 0 <= x.min() <= x.max() <= 1,
+                 "{x} must be uint8, or float in [0, 1] (no NaN)"),
+                (lambda: torch.equal(k := y_train.unique(), torch.arange(len(k))) and 0 <= y.min() and y.max() < len(k),
+                 "the labels must be 0..K-1, each in y_train, and {y}'s among them")):
+            need(ok(), f"{path}: " + expected.format(x=f"x_{split}", y=f"y_{split}"))
     return tuple(t.long() if t.dim() == 1 else t.detach() if t.dim() == 4 else t.detach()[:, None, None] for t in
-                 (x_train, y_train, x_test, y_test))  # x [N, D] becomes [N, 1, 1, D]; requires_grad breaks training
+                 (x_train, y_train, x_test, y_test))  # x [N, D] as [N, 1, 1, D]; detached, as grads break training
 LOADERS = {"mnist": lambda root: (*load_mnist_subset(), None, None), "fashion-mnist": load_fashion_mnist,
            "cifar10": load_cifar10}  # each: raw images [N, C, H, W] (uint8 or float in [0, 1]), labels; train, test
 DATASETS = list(LOADERS)
