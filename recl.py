@@ -37,7 +37,8 @@ like `ce_scope`, and then also in the last lines of `resolve`, which train the m
 "off" value in PAPER; its value in NETWORKS where a network differs; in CONTROL if inversion skips it (the stored
 controls skip every replay field but those STORED's line names); its function in part 3 and one `if` line where it
 acts; where it needs them, a `retune` line and a refusal in `check`; a test on a trained net and a section in
-docs/departures.md. Its flag, range check and header entry follow from the field. A new field renames every result.
+docs/departures.md. Its flag (give `kind=` where the default is None), range check and header entry follow from the
+field; run_all.sh passes flags on, and tools/ and the tests need no edit. A new field renames every result.
 
 `--paper` (PAPER) switches every departure off and trains at the method's own budget: the paper's method, with
 what it leaves open filled in. It keeps these choices, on in
@@ -45,8 +46,11 @@ every run, that the paper's reference code (Buzaglo et al. 2023) makes or its te
 squared hinges (the paper prints plain ones), weight 5 on Eq. 4, Eq. 3's sum scaled by 1/n; Phi of a multi-class
 network as the margin against the best other class, one lambda per candidate (part 1); lambda_i starting from
 U(0, 1); SGD with momentum 0.9 for the candidates and lambdas, at step sizes within the paper's ranges (App. B.3);
-the lowest-loss step of a reconstruction, not its last; batch-norm statistics re-estimated after each task
-(ResNet18 only); float32 throughout. Step 2 is the paper's: SGD without momentum, batches of 64 (App. D).
+the lowest-loss step of a reconstruction, not its last; the copy Step 1 differentiates in eval mode (part 1); the
+same random start before every task; batch-norm statistics re-estimated after each task (ResNet18 only); float32
+throughout. The rest is the paper's: x_i ~ N(0, sigma_x^2 I), fixed labels split evenly, m = n, the smooth ReLU in
+the backward pass only (App. B), SGD on L_full for n_rec steps; Step 2 SGD without momentum, batches of 64 (App. D).
+Flags given with --paper still win over it.
 """
 import argparse
 import copy
@@ -982,7 +986,8 @@ def describe(cfg):
     text = (f"{variant_name(cfg.method, cfg.variant, cfg.budget)} | {cfg.scenario} | {cfg.dataset}"
             f"{' (validation split)' if cfg.validation else ''} | {cfg.model} | seed {cfg.seed} | {cfg.device} | "
             f"{cfg.n_per_class or 'all'} per class, {cfg.classes_per_task} per task")
-    settings = {"lr": cfg.lr, "epochs": cfg.epochs, "batch_size": cfg.batch_size, "ce_scope": cfg.ce_scope, **cfg.hp,
+    training = FIELDS[FIELDS.index("lr"):FIELDS.index("hp")]  # Step 2's fields, lr to ce_scope
+    settings = {**{k: getattr(cfg, k) for k in training}, **cfg.hp,
                 **{k: getattr(cfg, k) for k in RECL_FIELDS if getattr(cfg, k) is not None}}
     by = {s: [f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in settings.items()
               if cfg.set_by.get(k, "default") == s]
