@@ -13,7 +13,7 @@ Read top to bottom:
   2. A run: `step1` and `step2` build those loops' values from a Config, each departure from the paper one named
      `if` line where it acts (the filter's in `run_continual`); `run_continual` is the task loop.
   3. The departures, one function each, numbered as in docs/departures.md; the controls (inversion, stored images).
-  4. Judging a reconstruction (SSIM, App. D.5) and Sec. 4.3's search, which Step 1 calls directly.
+  4. Judging a reconstruction (SSIM, App. D.5) and Sec. 4.3's search, which runs Step 1 several times.
   5. The command line: a run's values looked up (`resolve`), the checks, `main`.
 The methods (EWC, ER, ...) are hooks in strategies.py, each an entry of its STRATEGIES like
   "ewc": {"hooks": {"extra_loss": ewc_loss, "after_task": ewc_after_task},
@@ -32,8 +32,8 @@ Adding a method: its STRATEGIES entry (hyperparameters named unlike Config's fie
 `resolve`), its TUNED values (ARMS, part 0, if an arm needs its own), and a test of its hooks against a reference.
 `--method`, run_all.sh and tools/ read STRATEGIES and keep no list of methods. A method that needs another hook
 point adds its call to `train_task` or `run_continual`.
-Adding a departure: a Config field among the replay fields, from `m` (before them if the method alone takes it too,
-like `ce_scope`, and then also in the last lines of `resolve`, which train the method alone at +ReCL's budget); its
+Adding a departure: a Config field among the replay fields, from `m` (if the method alone takes it too, among Step
+2's, `lr` to `ce_scope`, and then also in the last lines of `resolve`, which train it alone at +ReCL's budget); its
 "off" value in PAPER; its value in NETWORKS where a network differs; in CONTROL if inversion skips it (the stored
 controls skip every replay field but those STORED's line names); its function in part 3 and one `if` line where it
 acts; where it needs them, a `retune` line and a refusal in `check`; a test on a trained net and a section in
@@ -47,7 +47,7 @@ squared hinges (the paper prints plain ones), weight 5 on Eq. 4, Eq. 3's sum sca
 network as the margin against the best other class, one lambda per candidate (part 1); lambda_i starting from
 U(0, 1); SGD with momentum 0.9 for the candidates and lambdas, at step sizes within the paper's ranges (App. B.3);
 the lowest-loss step of a reconstruction, not its last; the copy Step 1 differentiates in eval mode (part 1); the
-same random start before every task; batch-norm statistics re-estimated after each task (ResNet18 only); float32
+same random start before every task; batch-norm statistics re-estimated after each task (only ResNet18 has any); float32
 throughout. The rest is the paper's: x_i ~ N(0, sigma_x^2 I), fixed labels split evenly, m = n, the smooth ReLU in
 the backward pass only (App. B), SGD on L_full for n_rec steps; Step 2 SGD without momentum, batches of 64 (App. D).
 Flags given with --paper still win over it.
@@ -89,7 +89,7 @@ COUNT = dict(above=0, high=100_000)  # far beyond any study here, far short of f
 class Config:
     """Every value one run uses. The defaults are the MLP's +ReCL run on SplitMNIST, but for the lr, epochs and
     hyperparameters each method tunes (strategies.TUNED). The replay arm's fields, `m` to `trials`, are None for the
-    method alone, unless `--budget` is given (and those of Eq. 3-5 for the controls, which skip them)."""
+    method alone (`budget` too, unless --budget is given), and those of Eq. 3-5 for the controls, which skip them."""
     # what runs
     dataset: str = setting("mnist", "mnist (shipped), fashion-mnist, cifar10, or a .pt")
     scenario: str = setting("cil", "class-incremental (a growing head) or domain-incremental", choices=["cil", "dil"])
