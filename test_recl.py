@@ -559,6 +559,12 @@ def test_the_shown_arm_tables_are_what_their_runs_give(folder, page, tmp_path):
     shown = (HERE / page).read_text().splitlines()
     assert rows and [row for row in rows if row not in shown] == []
 
+def test_the_readmes_gpm_values_are_the_tables():
+    text = " ".join((HERE / "README.md").read_text().split())
+    assert f'`strategies.TUNED["cil"]["gpm"]` is `{strategies.TUNED["cil"]["gpm"]}`'.replace("'", '"') in text
+    assert f'`recl.ARMS[("cil", "gpm")]` is `{recl.ARMS[("cil", "gpm")]}`'.replace("'", '"') in text
+    assert f"gpm_samples {strategies.defaults('gpm')['gpm_samples']} is GPM's default" in text
+
 def test_eq3_gives_back_the_training_images_not_unseen_images_of_the_same_digits():
     # tools/see_eq3_work.py made small (about 2 s): 10 MNIST images, one of each digit, even against odd; 300 steps of
     # full-batch training, 150 of Eq. 3-6. Each image's SSIM with its nearest candidate (App. D.5), for the 10 training
