@@ -32,13 +32,14 @@ Adding a method: its STRATEGIES entry (hyperparameters named unlike Config's fie
 `resolve`), its TUNED values (ARMS, part 0, if an arm needs its own), and a test of its hooks against a reference.
 `--method`, run_all.sh and tools/ read STRATEGIES and keep no list of methods. A method that needs another hook
 point adds its call to `train_task` or `run_continual`.
-Adding a departure: a Config field among the replay fields, from `m` (if the method alone takes it too, among Step
-2's, `lr` to `ce_scope`, and then also in the last lines of `resolve`, which train it alone at +ReCL's budget); its
-"off" value in PAPER; its value in NETWORKS where a network differs; in CONTROL if inversion skips it (the stored
-controls skip every replay field but those STORED's line names); its function in part 3 and one `if` line where it
-acts; where it needs them, a `retune` line and a refusal in `check`; a test on a trained net and a section in
-docs/departures.md. Its flag (give `kind=` where the default is None), range check and header entry follow from the
-field; run_all.sh passes flags on, and tools/ and the tests need no edit. A new field renames every result.
+Adding a departure: a Config field among the replay fields, from `m` (if the method alone takes it too, among Step 2's,
+`lr` to `ce_scope`, and then also in the last lines of `resolve`, which train it alone at +ReCL's budget); its "off"
+value in PAPER; its value in NETWORKS where a network differs; in CONTROL if inversion skips it (the stored controls
+skip every replay field but those STORED's line names); its function in part 3 and one `if` line where it acts; where it
+needs them, a `retune` line, a refusal in `check`, a range in SEARCH_SPACE (part 4) and a term in `check_tasks`'s memory
+estimate; a test on a trained net and a section in docs/departures.md. Its flag (give `kind=` where the default is
+None), range check and header entry follow from the field; run_all.sh passes flags on, and tools/ and the tests need no
+edit. A new field renames every result.
 
 `--paper` (PAPER) switches every departure off and trains at the method's own budget: the paper's method, with
 what it leaves open filled in. It keeps these choices, on in
@@ -50,7 +51,8 @@ the lowest-loss step of a reconstruction, not its last; the copy Step 1 differen
 same random start before every task; batch-norm statistics re-estimated after each task (only ResNet18 has any); float32
 throughout. The rest is the paper's: x_i ~ N(0, sigma_x^2 I), fixed labels split evenly, m = n, the smooth ReLU in
 the backward pass only (App. B), SGD on L_full for n_rec steps; Step 2 SGD without momentum, batches of 64 (App. D).
-Flags given with --paper still win over it.
+The networks' initialisation (models.py) and the data's scaling (data.py) are the same under --paper. Flags given
+with --paper still win over it.
 """
 import argparse
 import copy
@@ -89,7 +91,8 @@ COUNT = dict(above=0, high=100_000)  # far beyond any study here, far short of f
 class Config:
     """Every value one run uses. The defaults are the MLP's +ReCL run on SplitMNIST, but for the lr, epochs and
     hyperparameters each method tunes (strategies.TUNED). The replay arm's fields, `m` to `trials`, are None for the
-    method alone (`budget` too, unless --budget is given), and those of Eq. 3-5 for the controls, which skip them."""
+    method alone (`budget` too, unless --budget is given), and, for the controls, the fields they skip (CONTROL,
+    STORED)."""
     # what runs
     dataset: str = setting("mnist", "mnist (shipped), fashion-mnist, cifar10, or a .pt")
     scenario: str = setting("cil", "class-incremental (a growing head) or domain-incremental", choices=["cil", "dil"])
@@ -623,8 +626,8 @@ def replay_in_every_batch(x, own, batch_size, n, seed):
 
 # The inversion control (`--replay-source inversion`): is it Eq. 3 that makes the candidates useful, or would any
 # optimisation that makes the model recognise them as their labels do? Model inversion (Simonyan et al. 2014) asks
-# only the second: L_inv = sum_i CE(f(x_i), y_i) + L_prior, with the same candidates, optimiser, steps, filter and
-# replay; no lambdas, no stationarity condition.
+# only the second: L_inv = sum_i CE(f(x_i), y_i) + L_prior, with the same candidates, optimiser (at its own step size,
+# `resolve`), steps, filter and replay; no lambdas, no stationarity condition.
 def inversion_loss(net, params, labels):
     return lambda x, lam: {"ce": F.cross_entropy(functional_call(net, params, (x,)), labels, reduction="sum"),
                            "prior": image_prior(x)}
