@@ -38,21 +38,23 @@ value in PAPER; its value in NETWORKS where a network differs; in CONTROL if inv
 skip every replay field but those STORED's line names); its function in part 3 and one `if` line where it acts; where it
 needs them, a `retune` line, a refusal in `check`, a range in SEARCH_SPACE (part 4) and a term in `check_tasks`'s memory
 estimate; a test on a trained net and a section in docs/departures.md. Its flag (give `kind=` where the default is
-None), range check and header entry follow from the field; run_all.sh passes flags on, and tools/ and the tests need no
-edit. A new field renames every result.
+None), range check and header entry follow from the field; run_all.sh passes flags on, and tools/ and the existing tests
+need no edit; new tests go in test_recl.py. A new field renames every result: rerun the shipped tables (run_all.sh finds
+them left to do).
 
-`--paper` (PAPER) switches every departure off and trains at the method's own budget: the paper's method, with
-what it leaves open filled in. It keeps these choices, on in
-every run, that the paper's reference code (Buzaglo et al. 2023) makes or its text leaves open: Eq. 4 and 5 as
-squared hinges (the paper prints plain ones), weight 5 on Eq. 4, Eq. 3's sum scaled by 1/n; Phi of a multi-class
-network as the margin against the best other class, one lambda per candidate (part 1); lambda_i starting from
-U(0, 1); SGD with momentum 0.9 for the candidates and lambdas, at step sizes within the paper's ranges (App. B.3);
-the lowest-loss step of a reconstruction, not its last; the copy Step 1 differentiates in eval mode (part 1); the
-same random start before every task; batch-norm statistics re-estimated after each task (only ResNet18 has any); float32
-throughout. The rest is the paper's: x_i ~ N(0, sigma_x^2 I), fixed labels split evenly, m = n, the smooth ReLU in
-the backward pass only (App. B), SGD on L_full for n_rec steps; Step 2 SGD without momentum, batches of 64 (App. D).
-The networks' initialisation (models.py) and the data's scaling (data.py) are the same under --paper. Flags given
-with --paper still win over it.
+`--paper` (PAPER) switches every departure off and trains at the method's own budget: the paper's method, with what it
+leaves open filled in. It keeps these choices, on in every run, that the paper's reference code (Buzaglo et al. 2023)
+makes or its text leaves open: Eq. 4 and 5 as squared hinges (the paper prints plain ones), weight 5 on Eq. 4, Eq. 3's
+sum scaled by 1/n; Phi of a multi-class network as the margin against the best other class, one lambda per candidate
+(part 1); lambda_i starting from U(0, 1); SGD with momentum 0.9 for the candidates and lambdas, at step sizes within the
+paper's ranges (App. B.3); the lowest-loss step of a reconstruction, not its last; the copy Step 1 differentiates in
+eval mode (part 1); the same random start before every task; batch-norm statistics re-estimated after each task (only
+ResNet18 has any); float32 throughout. The rest is the paper's: x_i ~ N(0, sigma_x^2 I), fixed labels split evenly, m = n,
+the smooth ReLU in the backward pass only (App. B), SGD on L_full for n_rec steps; Step 2 SGD without momentum,
+batches of 64 (App. D). Also the paper's: the head grows in CIL, its old rows copied (its CIL setup); the naive tuning
+(Sec. 4.3), its default; only the first layer's bias (App. D.1). The networks' initialisation (models.py) and the data's
+scaling (data.py) are the same under --paper. A method's own budget is its TUNED "alone" entry, chosen here on
+validation as the paper tunes its baselines (App. D.3). Flags given with --paper still win over it.
 """
 import argparse
 import copy
