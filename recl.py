@@ -49,8 +49,8 @@ sum scaled by 1/n; Phi of a multi-class network as the margin against the best o
 (part 1); lambda_i starting from U(0, 1); SGD with momentum 0.9 for the candidates and lambdas, at step sizes within the
 paper's ranges (App. B.3); the lowest-loss step of a reconstruction, not its last; the copy Step 1 differentiates in
 eval mode (part 1); the same random start before every task; batch-norm statistics re-estimated after each task (only
-ResNet18 has any); float32 throughout. The rest is the paper's: x_i ~ N(0, sigma_x^2 I), fixed labels split evenly, m = n,
-the smooth ReLU in the backward pass only (App. B), SGD on L_full for n_rec steps; Step 2 SGD without momentum,
+ResNet18 has any); float32 throughout. The rest is the paper's: x_i ~ N(0, sigma_x^2 I), fixed labels split evenly,
+m = n, the smooth ReLU in the backward pass only (App. B), SGD on L_full for n_rec steps; Step 2 SGD without momentum,
 batches of 64 (App. D). Also the paper's: the head grows in CIL, its old rows copied (its CIL setup); the naive tuning
 (Sec. 4.3), its default; only the first layer's bias (App. D.1). The networks' initialisation (models.py) and the data's
 scaling (data.py) are the same under --paper. A method's own budget is its TUNED "alone" entry, chosen here on
