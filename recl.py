@@ -28,10 +28,10 @@ hyperparameters}, "recl": {what +ReCL's budget changes}}. `resolve` (part 5) say
 looked up; every header prints each value with its source. Networks are in models.py; the data and the result
 files in data.py. `python tools/see_eq3_work.py` shows Step 1 reading training images back.
 
-Adding a method: its STRATEGIES entry (hyperparameters named unlike Config's fields: they share one dict in
-`resolve`), its TUNED values (ARMS, part 0, if an arm needs its own), and a test of its hooks against a reference.
-`--method`, run_all.sh and tools/ read STRATEGIES and keep no list of methods. A method that needs another hook
-point adds its call to `train_task` or `run_continual`.
+Adding a method: its STRATEGIES entry (hyperparameters named unlike Config's fields: they share one dict in `resolve`),
+its TUNED values (ARMS, part 0, if an arm needs its own), and a test in test_recl.py of its hooks against a direct
+computation (as EWC's Fisher is tested against a per-sample loop). `--method`, run_all.sh and tools/ read STRATEGIES and
+keep no list of methods. A method that needs another hook point adds its call to `train_task` or `run_continual`.
 Adding a departure: a Config field among the replay fields, from `m` (if the method alone takes it too, among Step 2's,
 `lr` to `ce_scope`, and then also in the last lines of `resolve`, which train it alone at +ReCL's budget); its "off"
 value in PAPER; its value in NETWORKS where a network differs; in CONTROL if inversion skips it (the stored controls
