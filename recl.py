@@ -28,33 +28,36 @@ hyperparameters}, "recl": {what +ReCL's budget changes}}. `resolve` (part 5) say
 looked up; every header prints each value with its source. Networks are in models.py; the data and the result
 files in data.py. `python tools/see_eq3_work.py` shows Step 1 reading training images back.
 
-Adding a method: its STRATEGIES entry (hyperparameters named unlike Config's fields: they share one dict in `resolve`),
-its TUNED values (ARMS, part 0, if an arm needs its own), and a test in test_recl.py of its hooks against a direct
-computation (as EWC's Fisher is tested against a per-sample loop). `--method`, run_all.sh and tools/ read STRATEGIES and
-keep no list of methods. A method that needs another hook point adds its call to `train_task` or `run_continual`.
-Adding a departure: a Config field among the replay fields, from `m` (if the method alone takes it too, among Step 2's,
-`lr` to `ce_scope`, and then also in the last lines of `resolve`, which train it alone at +ReCL's budget); its "off"
-value in PAPER; its value in NETWORKS where a network differs; in CONTROL if inversion skips it (the stored controls
-skip every replay field but those STORED's line names); its function in part 3 and one `if` line where it acts; where it
-needs them, a `retune` line, a refusal in `check`, a range in SEARCH_SPACE (part 4) and a term in `check_tasks`'s memory
-estimate; a test on a trained net and a section in docs/departures.md. Its flag (give `kind=` where the default is
-None), range check and header entry follow from the field; run_all.sh passes flags on, and tools/ and the existing tests
-need no edit; new tests go in test_recl.py. A new field renames every result: rerun the shipped tables (run_all.sh finds
-them left to do).
+Adding a method (nothing else lists methods: `--method`, run_all.sh and tools/ read STRATEGIES):
+  - its STRATEGIES entry; name its hyperparameters unlike Config's fields (they share one dict in `resolve`);
+  - its TUNED values, and an ARMS line (part 0) if one of its arms needs its own;
+  - a test in test_recl.py of its hooks against a direct computation (as EWC's Fisher against a per-sample loop);
+  - if it needs another hook point, the call in `train_task` or `run_continual`.
+Adding a departure (its flag, range check and header entry follow from the field; run_all.sh passes flags on; tools/
+and the existing tests need no edit):
+  - a Config field among the replay fields, from `m`; if the method alone takes it too, among Step 2's (`lr` to
+    `ce_scope`) and in the last lines of `resolve`, which train the method alone at +ReCL's budget; `kind=` if its
+    default is None;
+  - its "off" value in PAPER; its value in NETWORKS where a network differs; in CONTROL if inversion skips it (the
+    stored controls skip every replay field but those STORED's line names);
+  - its function in part 3 and one `if` line where it acts;
+  - where it needs them: a `retune` line, a refusal in `check`, a range in SEARCH_SPACE (part 4), a term in
+    `check_tasks`'s memory estimate;
+  - a test on a trained net in test_recl.py and a section in docs/departures.md;
+  - then rerun the shipped tables: a new field renames every result (run_all.sh finds them left to do).
 
-`--paper` (PAPER) switches every departure off and trains at the method's own budget: the paper's method, with what it
-leaves open filled in. It keeps these choices, on in every run, that the paper's reference code (Buzaglo et al. 2023)
-makes or its text leaves open: Eq. 4 and 5 as squared hinges (the paper prints plain ones), weight 5 on Eq. 4, Eq. 3's
-sum scaled by 1/n; Phi of a multi-class network as the margin against the best other class, one lambda per candidate
-(part 1); lambda_i starting from U(0, 1); SGD with momentum 0.9 for the candidates and lambdas, at step sizes within the
-paper's ranges (App. B.3); the lowest-loss step of a reconstruction, not its last; the copy Step 1 differentiates in
-eval mode (part 1); the same random start before every task; batch-norm statistics re-estimated after each task (only
-ResNet18 has any); float32 throughout. The rest is the paper's: x_i ~ N(0, sigma_x^2 I), fixed labels split evenly,
-m = n, the smooth ReLU in the backward pass only (App. B), SGD on L_full for n_rec steps; Step 2 SGD without momentum,
-batches of 64 (App. D). Also the paper's: the head grows in CIL, its old rows copied (its CIL setup); the naive tuning
-(Sec. 4.3), its default; only the first layer's bias (App. D.1). The networks' initialisation (models.py) and the data's
-scaling (data.py) are the same under --paper. A method's own budget is its TUNED "alone" entry, chosen here on
-validation as the paper tunes its baselines (App. D.3). Flags given with --paper still win over it.
+`--paper` (PAPER) switches every departure off and trains at the method's own budget (its TUNED "alone" entry, chosen
+here on validation as the paper tunes its baselines, App. D.3). Flags given with it still win. It keeps:
+  - what the paper's reference code (Buzaglo et al. 2023) does or its text leaves open: Eq. 4 and 5 as squared hinges
+    (the paper prints plain ones), weight 5 on Eq. 4, Eq. 3's sum scaled by 1/n; Phi of a multi-class network as the
+    margin against the best other class, one lambda per candidate (part 1); lambda_i starting from U(0, 1); SGD with
+    momentum 0.9 for the candidates and lambdas, at step sizes within the paper's ranges (App. B.3); the lowest-loss
+    step of a reconstruction, not its last; the copy Step 1 differentiates in eval mode (part 1); the same random start
+    before every task; batch-norm statistics re-estimated after each task (only ResNet18 has any); float32 throughout;
+  - what is the paper's own: x_i ~ N(0, sigma_x^2 I), fixed labels split evenly, m = n, the smooth ReLU in the backward
+    pass only (App. B), SGD on L_full for n_rec steps, the naive tuning (Sec. 4.3); the head grown in CIL with its old
+    rows copied; a bias on the first layer only (App. D.1); Step 2 as SGD without momentum, batches of 64 (App. D);
+  - the networks' initialisation (models.py) and the data's scaling (data.py), as in every run.
 """
 import argparse
 import copy
