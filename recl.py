@@ -48,15 +48,17 @@ and the existing tests need no edit):
 
 `--paper` (PAPER) switches every departure off and trains at the method's own budget (its TUNED "alone" entry, chosen
 here on validation as the paper tunes its baselines, App. D.3). Flags given with it still win. It keeps:
-  - what the paper's reference code (Buzaglo et al. 2023) does or its text leaves open: Eq. 4 and 5 as squared hinges
-    (the paper prints plain ones), weight 5 on Eq. 4, Eq. 3's sum scaled by 1/n; Phi of a multi-class network as the
-    margin against the best other class, one lambda per candidate (part 1); lambda_i starting from U(0, 1); SGD with
-    momentum 0.9 for the candidates and lambdas, at step sizes within the paper's ranges (App. B.3); the lowest-loss
-    step of a reconstruction, not its last; the copy Step 1 differentiates in eval mode (part 1); the same random start
-    before every task; batch-norm statistics re-estimated after each task (only ResNet18 has any); float32 throughout;
-  - what is the paper's own: x_i ~ N(0, sigma_x^2 I), fixed labels split evenly, m = n, the smooth ReLU in the backward
-    pass only (App. B), SGD on L_full for n_rec steps, the naive tuning (Sec. 4.3); the head grown in CIL with its old
-    rows copied; a bias on the first layer only (App. D.1); Step 2 as SGD without momentum, batches of 64 (App. D);
+  - against the printed equations, as the paper's reference code (Buzaglo et al. 2023) does: Eq. 4 and 5 as squared
+    hinges (the paper prints plain ones), weight 5 on Eq. 4, Eq. 3's sum scaled by 1/n;
+  - where the paper's text is silent: Phi of a multi-class network as the margin against the best other class, one
+    lambda per candidate (part 1); lambda_i starting from U(0, 1); momentum 0.9 in the candidates' and lambdas' SGD,
+    at step sizes within the paper's ranges (App. B.3); the lowest-loss step of a reconstruction, not its last; the
+    copy Step 1 differentiates in eval mode (part 1); the same random start before every task; batch-norm statistics
+    re-estimated after each task (only ResNet18 has any); float32 throughout;
+  - what is the paper's own: x_i ~ N(0, sigma_x^2 I), fixed labels split evenly, m = n (as many candidates per class as
+    training images), the smooth ReLU in the backward pass only (App. B), SGD on L_full for n_rec steps, the naive
+    tuning (Sec. 4.3); the head grown in CIL with its old rows copied; a bias on the first layer only (App. D.1); Step 2
+    as SGD without momentum, batches of 64 (App. D);
   - the networks' initialisation (models.py) and the data's scaling (data.py), as in every run.
 """
 import argparse
@@ -148,7 +150,7 @@ class Config:
                                  "L_full (unsup) or by SSIM to a few stored images (sup)", choices=["naive", "unsup",
                                                                                                     "sup"])
     trials: int | None = setting(None, "the search's trials per task (default: 10)", kind=int, above=0, high=1000)
-    paper: bool = setting(False, "the paper as written: every departure off, the method's own training budget")
+    paper: bool = setting(False, "the paper's method: every departure off, the method's own training budget")
     # where
     device: str = setting("auto", "auto: CUDA when present", choices=["auto", "cpu", "cuda"])
     set_by: dict = dataclasses.field(default_factory=dict)  # each value not a default: where it came from
