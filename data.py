@@ -101,8 +101,8 @@ LOADERS = {"mnist": lambda root: (*load_mnist_subset(), None, None), "fashion-mn
 DATASETS = list(LOADERS)
 
 def make_tasks(dataset, seed, n_per_class=100, scenario="cil", classes_per_task=2, data_root="data"):
-    """Tasks (Sec. 5, App. C): a seeded class order, then per class the first `n_per_class` (None: all) of a permutation
-    train. Pixels: [0, 1] less the training mean, so [-1, 1] as Eq. 5's prior assumes. 4th: classes in no whole task."""
+    """Tasks (Sec. 5, App. C): a seeded class order, then per class a seeded permutation whose first `n_per_class`
+    (None: all) train. Pixels: [0, 1] less the training mean, so [-1, 1] as Eq. 5's prior assumes. 4th: classes in no whole task."""
     x_train, y_train, x_test, y_test = LOADERS[dataset](data_root) if dataset in LOADERS else load_tensor_file(dataset)
     generator, classes, one_pool = torch.Generator().manual_seed(seed), torch.unique(y_train), x_test is None
     need((n_tasks := len(classes) // classes_per_task) >= 2, f"{dataset} has {len(classes)} class(es): too few for "
@@ -161,7 +161,6 @@ def check_writable(folder):
     except OSError as err:
         raise DataError(f"--out {folder}: cannot write results there ({err.strerror or err})") from None
 
-
 @functools.cache  # once per process: the code it loaded, whatever is committed while it runs
 def provenance():
     """What made a result, beyond its config: code version, library, machine."""
@@ -177,7 +176,6 @@ def provenance():
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "threads": torch.get_num_threads(), "python": sys.version.split()[0]}
 
-
 def write_json_atomically(path, record):
     """Write to a temporary name, then rename: a killed run never leaves half a file."""
     path = Path(path)
@@ -185,7 +183,6 @@ def write_json_atomically(path, record):
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(record, separators=(",", ":")))
     os.replace(tmp, path)
-
 
 @functools.cache  # a dataset file is hashed once per process
 def file_sha256(path):

@@ -89,10 +89,8 @@ def setting(default, help, low=None, high=None, above=None, choices=None, kind=N
     return dataclasses.field(default=default, metadata=dict(help=help, low=low, high=high, above=above,
                                                             choices=choices, kind=kind, flag=flag))
 
-
 per_class = lambda text: text if text == "all" else int(text)  # --n-per-class
 COUNT = dict(above=0, high=100_000)  # far beyond any study here, far short of forever
-
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -154,7 +152,6 @@ class Config:
     # where
     device: str = setting("auto", "auto: CUDA when present", choices=["auto", "cpu", "cuda"])
     set_by: dict = dataclasses.field(default_factory=dict)  # each value not a default: where it came from
-
 
 FIELDS, DEFAULTS = [f.name for f in dataclasses.fields(Config)], dataclasses.asdict(Config())
 RECL_FIELDS = FIELDS[FIELDS.index("m"):FIELDS.index("paper")]  # what the method alone does not use
@@ -536,7 +533,11 @@ def run_jointly(cfg, tasks, log=print):
 def record_of(cfg, R, diverged, reconstructions, quality, started):
     """A run's record: its accuracy matrix, ACC and BWT (None if it diverged; joint has no BWT), and what each
     reconstruction did."""
-    acc, bwt = (None, None) if diverged else acc_and_bwt(R) if len(R) > 1 else (sum(R[0]) / len(R[0]), None)
+    acc = bwt = None
+    if not diverged and cfg.method == "joint":  # one row, each task tested once: no BWT
+        acc = sum(R[0]) / len(R[0])
+    elif not diverged:
+        acc, bwt = acc_and_bwt(R)
     return {"method": cfg.method, "variant": cfg.variant, "recl": cfg.variant != "base", "scenario": cfg.scenario,
             "seed": cfg.seed, "acc_matrix": R, "ACC": acc, "BWT": bwt, "diverged": diverged,
             "reconstructions": reconstructions, "recon_quality": quality,

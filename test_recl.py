@@ -55,7 +55,8 @@ def test_eq3s_sum_in_one_backward_pass_equals_one_gradient_per_candidate():
     model = recl.with_smooth_relu(models.MLP(12, 3, hidden=7), alpha=50.0).eval()
     params = {k: v.detach() for k, v in model.named_parameters()}
     x, y, lam = torch.randn(6, 12), torch.arange(6) % 3, torch.rand(6)
-    fast, reference = recl.weighted_gradient_sum(model, params, x, y, lam), recl.weighted_gradient_sum_vmap(model, params, x, y, lam)
+    fast = recl.weighted_gradient_sum(model, params, x, y, lam)
+    reference = recl.weighted_gradient_sum_vmap(model, params, x, y, lam)
     for k in params:
         torch.testing.assert_close(fast[k], reference[k], rtol=1e-5, atol=1e-7)
 

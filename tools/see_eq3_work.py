@@ -27,7 +27,9 @@ def demonstrate(per_digit=2, train_steps=4000, rec_steps=3000, seed=0, log=print
             margin = recl.margins(model, dict(model.named_parameters()), x, y).min().item()
             log(f"    step {step}/{train_steps}: loss {loss.item():.2e}, smallest margin {margin:.2f}")
         if step < train_steps:
-            optimizer.zero_grad(), loss.backward(), optimizer.step()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
     # 3. Step 1 as a --paper run does it (Eq. 3 fits theta itself), and before training: control (a), is it training's?
     cfg = recl.Config(**recl.PAPER, m=n // 2, n_rec=rec_steps, lr_x=LR_X, alpha=ALPHA, seed=seed)  # n/2 per class
     r = {"x": x, "mean_image": mean_image}
