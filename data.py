@@ -102,7 +102,8 @@ DATASETS = list(LOADERS)
 
 def make_tasks(dataset, seed, n_per_class=100, scenario="cil", classes_per_task=2, data_root="data"):
     """Tasks (Sec. 5, App. C): a seeded class order, then per class a seeded permutation whose first `n_per_class`
-    (None: all) train. Pixels: [0, 1] less the training mean, so [-1, 1] as Eq. 5's prior assumes. 4th: classes in no whole task."""
+    (None: all) train. Pixels: [0, 1] less the training mean, so [-1, 1] as Eq. 5's prior assumes. 4th: classes in no
+    whole task."""
     x_train, y_train, x_test, y_test = LOADERS[dataset](data_root) if dataset in LOADERS else load_tensor_file(dataset)
     generator, classes, one_pool = torch.Generator().manual_seed(seed), torch.unique(y_train), x_test is None
     need((n_tasks := len(classes) // classes_per_task) >= 2, f"{dataset} has {len(classes)} class(es): too few for "
