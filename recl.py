@@ -10,77 +10,50 @@ trains on those reconstructions with the new task's data (Step 2, Sec. 4.2).
 Read top to bottom:
   0. The settings: `Config`, one field per setting with its help, and the tables a run's values are looked up in.
   1. The paper: Eq. 3-6, Step 1's loop (`reconstruct`), Step 2's loop (`train_task`), Eq. 1-2. Plain functions.
-  2. A run: `step1` and `step2` build those loops' values from a Config, each departure from the paper one named
-     `if` line where it acts (the filter's in `run_continual`); `run_continual` is the task loop.
+  2. A run: `step1` and `step2` build those loops' values from a Config, each departure one named `if` line where it
+     acts (the filter's in `run_continual`, between the two steps); `run_continual` is the task loop.
   3. The departures, one function each, numbered as in docs/departures.md; the controls (inversion, stored images).
   4. Judging a reconstruction (SSIM, App. D.5) and Sec. 4.3's search, which runs Step 1 several times.
   5. The command line: a run's values looked up (`resolve`), the checks, `main`.
-The methods (EWC, ER, ...) are hooks in strategies.py, each an entry of its STRATEGIES like
-  "ewc": {"hooks": {"extra_loss": ewc_loss, "after_task": ewc_after_task},
-          "hyperparameters": {"ewc_lambda": (DEFAULT, MEANING, TEST)}, "grid": {"ewc_lambda": [VALUES]}}
-(TEST: a function of a value, true where it is valid; the grid is what tools/tune.py searches; joint is an entry
-with no hooks). The hooks, any of three, each called where it acts (part 1 and `run_continual`):
-  extra_loss(model, x, y, logits, state) -> a loss added to the batch's;  after_backward(model, state), which may
-  rewrite the .grad of parameters;  after_task(model, loader, state), after a task, on its real images.
-`state` is a dict that starts as the method's hyperparameters (strategies.new_state) and that its hooks keep across
-tasks. A run takes one more table from strategies.py: TUNED[scenario][method] = {"alone": {lr, epochs, own
-hyperparameters}, "recl": {what +ReCL's budget changes}}. `resolve` (part 5) says in which order a run's values are
-looked up; every header prints each value with its source. Networks are in models.py; the data and the result
-files in data.py. `python tools/see_eq3_work.py` shows Step 1 reading training images back.
 
-Adding a method (nothing else lists methods: `--method`, run_all.sh and tools/ read STRATEGIES):
-  - its STRATEGIES entry; name its hyperparameters unlike Config's fields (they share one dict in `resolve`);
-  - its TUNED values, and an ARMS line (part 0) if one of its arms needs its own;
-  - a test in test_recl.py of its hooks against a direct computation (as EWC's Fisher against a per-sample loop);
-  - if it needs another hook point, the call in `train_task` or `run_continual`.
-Adding a departure (its flag, range check and header entry follow from the field; run_all.sh passes flags on; tools/
-and the existing tests need no edit):
-  - a Config field among the replay fields, from `m`; if the method alone takes it too, among Step 2's (`lr` to
-    `ce_scope`) and in the last lines of `resolve`, which train the method alone at +ReCL's budget; `kind=` if its
-    default is None;
-  - its "off" value in PAPER; its value in NETWORKS where a network differs; in CONTROL if inversion skips it (the
-    stored controls skip every replay field but those STORED's line names);
-  - its function in part 3 and one `if` line where it acts;
-  - where it needs them: a `retune` line, a refusal in `check`, a range in SEARCH_SPACE (part 4), a term in
-    `check_tasks`'s memory estimate;
-  - a test on a trained net in test_recl.py and a section in docs/departures.md;
-  - then rerun the shipped tables: a new field renames every result (run_all.sh finds them left to do).
+A method (EWC, ER, ...) is an entry of strategies.STRATEGIES: its hooks, its hyperparameters as (default, meaning,
+test of a value) and the grid tools/tune.py searches (joint: no hooks). A hook is called where it acts (`train_task`,
+`run_continual`): extra_loss(model, x, y, logits, state) -> a loss added to the batch's; after_backward(model, state),
+which may rewrite .grad; after_task(model, loader, state), on the task's real images. `state` starts as the method's
+hyperparameters (strategies.new_state); its hooks keep it across tasks. The one other table a run reads from there is
+TUNED[scenario][method] = {"alone": {lr, epochs, hyperparameters}, "recl": {what +ReCL's budget changes}}. Networks
+are in models.py, the data and result files in data.py. `python tools/see_eq3_work.py` shows Eq. 3 reading training
+images back out of a network.
 
-`--paper` (PAPER) switches every departure off and trains at the method's own budget (its TUNED "alone" entry, chosen
-here on validation as the paper tunes its baselines, App. D.3). Flags given with it still win. It keeps:
-  - against the printed equations, as the paper's reference code (Buzaglo et al. 2023) does: Eq. 4 and 5 as squared
-    hinges (the paper prints plain ones), weight 5 on Eq. 4, Eq. 3's sum scaled by 1/n;
-  - where the paper's text is silent: Phi of a multi-class network as the margin against the best other class, one
-    lambda per candidate (part 1); lambda_i starting from U(0, 1); momentum 0.9 in the candidates' and lambdas' SGD,
-    at step sizes within the paper's ranges (App. B.3); the lowest-loss step of a reconstruction, not its last; the
-    copy Step 1 differentiates in eval mode (part 1); the same random start before every task; batch-norm statistics
-    re-estimated after each task (only ResNet18 has any); float32 throughout;
-  - what is the paper's own: x_i ~ N(0, sigma_x^2 I), fixed labels split evenly, m = n (as many candidates per class as
-    training images), the smooth ReLU in the backward pass only (App. B), SGD on L_full for n_rec steps, the naive
-    tuning (Sec. 4.3); the head grown in CIL with its old rows copied; a bias on the first layer only (App. D.1); Step 2
-    as SGD without momentum, batches of 64 (App. D);
-  - the networks' initialisation (models.py) and the data's scaling (data.py), as in every run.
+Adding a method: its STRATEGIES entry (hyperparameters named unlike Config's fields: `resolve` merges them), its TUNED
+values, an ARMS line if one arm needs its own, a test of its hooks against a direct computation (as EWC's Fisher
+against a per-sample loop); a call in `train_task` or `run_continual` only for a new hook point. Nothing else lists
+methods: `--method`, run_all.sh and tools/ read STRATEGIES.
+Adding a departure: a Config field among the replay fields, from `m` (among Step 2's, `lr` to `ce_scope`, if the method
+alone takes it too, and then in `resolve`'s last lines); its "off" value in PAPER; its value in NETWORKS or CONTROL
+where a network or control differs; its function in part 3 and one `if` line where it acts; where needed, a `retune`
+line, a refusal in `check`, a range in SEARCH_SPACE, a term in `check_tasks`'s memory estimate; a test on a trained net
+and a docs/departures.md section; then rerun the shipped tables (a new field renames every result). Its flag, range
+check and header entry follow from the field; run_all.sh, tools/ and the other tests need no edit.
+
+`--paper` (PAPER) switches every departure off and trains at the method's own budget (TUNED's "alone", tuned on
+validation as the paper tunes its baselines, App. D.3); flags given with it still win. It keeps, where the paper's text
+is silent: Phi of a multi-class network as the margin against the best other class, one lambda per candidate, lambda_i
+from U(0, 1), momentum 0.9 in Step 1's SGD, the lowest-loss step kept, Step 1's copy in eval mode, the same random
+start before every task, batch-norm statistics re-estimated after each task (ResNet18), float32. Against the printed
+equations, as the paper's reference code (Buzaglo et al. 2023) does: squared hinges in Eq. 4 and 5, weight 5 on Eq. 4,
+Eq. 3's sum scaled by 1/n. The rest is the paper's own: x_i ~ N(0, sigma_x^2 I), fixed labels, m = n, the smooth
+ReLU's backward, SGD on L_full for n_rec steps, naive tuning (Sec. 4.3), the CIL head grown with its old rows, a bias
+on the first layer only, Step 2 as plain SGD in batches of 64 (App. D); models.py's initialisation, data.py's scaling.
 """
-import argparse
-import copy
-import dataclasses
-import functools
-import hashlib
-import json
-import math
-import os
-import shlex
-import sys
-import time
+import argparse, copy, dataclasses, functools, hashlib, json, math, os, shlex, sys, time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
-import data
-import models
-import strategies
+import data, models, strategies
 
 # ==== 0. The settings ================================================================================================
 
@@ -96,8 +69,7 @@ COUNT = dict(above=0, high=100_000)  # far beyond any study here, far short of f
 class Config:
     """Every value one run uses. The defaults are the MLP's +ReCL run on SplitMNIST, but for the lr, epochs and
     hyperparameters each method tunes (strategies.TUNED). The replay arm's fields, `m` to `trials`, are None for the
-    method alone (`budget` too, unless --budget is given), and, for the controls, the fields they skip (CONTROL,
-    STORED)."""
+    method alone (`budget` too, unless --budget is given), and for the controls the fields they skip (CONTROL, STORED)."""
     # what runs
     dataset: str = setting("mnist", "mnist (shipped), fashion-mnist, cifar10, or a .pt")
     scenario: str = setting("cil", "class-incremental (a growing head) or domain-incremental", choices=["cil", "dil"])
@@ -145,8 +117,8 @@ class Config:
     rec_precision: str | None = setting("float32", "number format of the reconstruction's products",
                                         choices=["float32", "bfloat16"])
     tuning: str | None = setting("naive", "Sec. 4.3: the run's values, or a search per task scored by the final "
-                                 "L_full (unsup) or by SSIM to a few stored images (sup)", choices=["naive", "unsup",
-                                                                                                    "sup"])
+                                 "L_full (unsup) or by SSIM to a few stored images (sup)",
+                                 choices=["naive", "unsup", "sup"])
     trials: int | None = setting(None, "the search's trials per task (default: 10)", kind=int, above=0, high=1000)
     paper: bool = setting(False, "the paper's method: every departure off, the method's own training budget")
     # where
@@ -178,30 +150,21 @@ NETWORKS["alexnet"] = {scenario: {**values, "budget": "alone"} for scenario, val
 # images never use; its CIL centroids keep it (docs/evidence.md). ER scores all classes: real images teach old vs new.
 ARMS = {("cil", "er"): {"ce_scope": "all"}, ("cil", "gpm"): {"replay_noise": 0.0},
         ("dil", "gpm"): {"replay_noise": 0.0}, ("cil", "gpm", "centroids"): {"replay_noise": 2.5}}
-# From strategies.py a run takes only TUNED: each method's lr, epochs and own hyperparameters, alone and at +ReCL's
-# budget (the docstring shows its form).
 
 # ==== 1. The paper ===================================================================================================
 #
 # Why reading data out of weights can work (App. B). A homogeneous network, Phi(c theta; x) = c^L Phi(theta; x)
 # (ReLU layers without biases or skips), trained by gradient descent on cross-entropy, converges in direction to a
-# KKT point of the max-margin problem
-#
-#   min_theta 1/2 |theta|^2   s.t.   Phi_y_i(theta; x_i) - Phi_j(theta; x_i) >= 1   for every i and j != y_i.
-#
+# KKT point of  min_theta 1/2 |theta|^2  s.t.  Phi_y_i(theta; x_i) - Phi_j(theta; x_i) >= 1  for every i and j != y_i.
 # Its KKT system has four parts:
 #   stationarity             theta = sum_i sum_{j != y_i} lambda_ij grad_theta (Phi_y_i - Phi_j)(theta; x_i)   (Eq. 9)
 #   dual feasibility         lambda_ij >= 0                                                                    (Eq. 10)
 #   primal feasibility       every margin >= 1
 #   complementary slackness  lambda_ij > 0 only where x_i's margin against j is exactly 1 (points on the margin)
-# ReCL keeps the first two, as losses over unknown points: the training images are what is sought, the labels are
-# fixed, m per old class. The paper's Eq. 3 keeps one lambda per point, not one per (point, class), and leaves Phi of
-# a multi-class network open; here Phi is the margin against the best other class (below). Primal feasibility and
-# complementary slackness are dropped, so nothing asks a candidate to sit on the margin.
-#
-# Phi(theta; x) for a multi-class network is thus the margin of x's label y: its logit minus the largest other
-# logit. Eq. 3 turns stationarity into a loss over n candidates x_1..x_n with coefficients lambda_1..lambda_n
-# (n = m candidates per old class, `--m`, times the old classes):
+# ReCL keeps the first two, as losses over unknown points (the images are sought; the labels are fixed, m per old
+# class) and drops the last two, so nothing asks a candidate to sit on the margin. The paper's Eq. 3 keeps one lambda
+# per point, not per (point, class), and leaves Phi of a multi-class network open: here Phi(theta; x) is the margin of
+# x's label y, its logit minus the largest other logit. Over n candidates (m per old class, `--m`, times the classes):
 #
 #   L_rec    = || theta - (1/n) sum_i lambda_i grad_theta Phi(theta; x_i) ||^2   (Eq. 3; by default theta - theta_0
 #                                                                                 in place of theta: departure 1)
@@ -210,30 +173,28 @@ ARMS = {("cil", "er"): {"ce_scope": "all"}, ("cil", "gpm"): {"replay_noise": 0.0
 #   L_full   = L_rec + L_lambda + L_prior                                        (Eq. 6)
 #
 # The paper prints Eq. 3 without 1/n, L_lambda = sum_i max(-lambda_i, -lambda_min) and L_prior = sum_{i,k}
-# max(x_ik - 1, -x_ik - 1, 0). Like the reference code (Buzaglo et al. 2023), Eq. 4 and 5 are squared hinges here
-# (smooth), and the sum is scaled by 1/n so that lambda_min means the same for any n. The norm runs over every
-# parameter (the MLP of models.py is D-1000-1000-C with nn.ReLU modules, a bias on its first layer only, none on its
-# head). `scale` multiplies L_rec: 1 here; departure 1 divides by |theta - theta_0|^2, so that L_rec is the share
-# left, whatever the network. Eq. 5's [-1, 1] holds the data: data.py scales pixels to [0, 1] and subtracts the
-# training set's mean image.
+# max(x_ik - 1, -x_ik - 1, 0). As in the reference code (Buzaglo et al. 2023), Eq. 4 and 5 are squared hinges here
+# (smooth), and 1/n makes lambda_min mean the same for any n. The norm runs over every parameter (models.py's MLP:
+# D-1000-1000-C, nn.ReLU modules, a bias on the first layer only). `scale` multiplies L_rec: 1 here; departure 1
+# divides by |theta - theta_0|^2, so L_rec is the share left. Eq. 5's [-1, 1] holds the data: data.py scales pixels
+# to [0, 1] and subtracts the training set's mean image.
 #
-# Why lambda_min, not just lambda >= 0: lambda_i = 0 is feasible and takes x_i out of the sum, so the optimiser
-# could explain theta with a few candidates and leave the rest as noise. Eq. 4 pushes every lambda_i above
-# lambda_min: every candidate has to carry some of theta. Nothing clamps lambda: Eq. 4 is the only push.
+# Why lambda_min, not just lambda >= 0: lambda_i = 0 is feasible and takes x_i out of the sum, so a few candidates
+# could explain theta and leave the rest as noise. Eq. 4 pushes every lambda_i above lambda_min, so every candidate
+# carries some of theta. Nothing clamps lambda: Eq. 4 is the only push.
 #
 # Three facts of the implementation the loss relies on:
-#   - A double backward. L_rec contains grad_theta Phi(theta; x_i), and Step 1 needs its gradient in x_i and
-#     lambda_i: a derivative of a derivative. torch.func.grad builds the inner gradient as a graph that autograd can
-#     differentiate again; loss.backward() in `reconstruct` then goes through it.
-#   - The smooth ReLU (`with_smooth_relu`, below). ReLU's derivative is a step in z: the activation pattern, which
-#     decides grad_theta Phi, moves with x, but the step's derivative is zero, so that dependence is invisible to
-#     the outer gradient. The copy Step 1 uses keeps ReLU's forward (the margins are the network's own) and uses
-#     sigmoid(alpha z) as its derivative in every backward, so grad_theta Phi in Eq. 3 is the surrogate's too:
-#     a surrogate gradient, sharper as alpha grows.
-#   - One pass for the whole sum. sum_i lambda_i grad Phi(x_i) = grad sum_i lambda_i Phi(x_i), since a gradient is
-#     linear, provided each Phi(x_i) depends on its own x_i only. That holds in eval mode (batch norm uses its running
-#     statistics, no dropout); in train mode batch norm mixes the candidates of a batch and the identity fails.
-#     `step1` puts its copy in eval mode; a test checks the one-pass form against vmap's per-candidate gradients.
+#   - A double backward. L_rec contains grad_theta Phi(theta; x_i), and Step 1 needs its gradient in x_i and lambda_i,
+#     a derivative of a derivative: torch.func.grad builds the inner gradient as a graph that loss.backward() in
+#     `reconstruct` differentiates again.
+#   - The smooth ReLU. ReLU's derivative is a step in z: the activation pattern, which decides grad_theta Phi, moves
+#     with x, but the step's derivative is zero, so the outer gradient cannot see that. Step 1's copy keeps ReLU's
+#     forward (the margins are the network's own) and takes sigmoid(alpha z) as its derivative in every backward, so
+#     grad_theta Phi in Eq. 3 is the surrogate's too: a surrogate gradient, sharper as alpha grows.
+#   - One pass for the whole sum. sum_i lambda_i grad Phi(x_i) = grad sum_i lambda_i Phi(x_i), as a gradient is
+#     linear, provided each Phi(x_i) depends on its own x_i only. That holds in eval mode (batch norm uses running
+#     statistics, no dropout); in train mode batch norm mixes a batch's candidates. `step1` puts its copy in eval
+#     mode; a test checks the one-pass form against vmap's per-candidate gradients.
 
 class SmoothBackwardReLU(torch.autograd.Function):
     """relu(z) forward; backward sigmoid(alpha z), the derivative of the rounded ReLU log(1 + e^(alpha z)) / alpha
@@ -386,7 +347,6 @@ def accuracy(model, x, y, batch_size=1000):
     correct = sum((model(xb).argmax(1) == yb).sum().item() for xb, yb in zip(x.split(batch_size), y.split(batch_size)))
     return 100.0 * correct / len(x)
 
-
 # ==== 2. A run: the values each loop takes, and the task loop ========================================================
 
 def step1(model, old_tasks, cfg, last=None, log=print):
@@ -441,19 +401,20 @@ def step2(task, x_rec, y_rec, cfg, n_old_classes):
     return batches, loss, clean
 
 def run_continual(cfg, tasks, log=print, mean_image=None, judge=False, image_path=None):
-    """Train one model through all tasks, with its replay arm unless cfg.variant is "base"; its record.
-    `judge`: score each reconstruction against the real old images (part 4), which training never sees."""
-    if cfg.method == "joint":  # the upper bound: no stream of tasks
-        return run_jointly(cfg, tasks, log)
-    started = time.time()
+    """Train one model through all tasks, with its replay arm unless cfg.variant is "base"; its record. `judge`: score
+    each reconstruction against the real old images (part 4), which training never sees. `--method joint`, the upper
+    bound, trains once on every task's images together and is tested task by task."""
+    started, joint = time.time(), cfg.method == "joint"
     torch.manual_seed(cfg.seed)  # the same init and shuffles for every variant
     tasks = [data.Task(t.classes, *(v.to(cfg.device) for v in t[1:])) for t in tasks]
     per_task, name = len(tasks[0].classes), variant_name(cfg.method, cfg.variant, cfg.budget)
-    model = models.build_model(cfg.model, tasks[0].x_train.shape[1:], per_task).to(cfg.device)
+    n_outputs = per_task * (len(tasks) if joint and cfg.scenario == "cil" else 1)
+    model = models.build_model(cfg.model, tasks[0].x_train.shape[1:], n_outputs).to(cfg.device)
     hooks, state = strategies.STRATEGIES[cfg.method]["hooks"], strategies.new_state(cfg.method, **cfg.hp)
-    R, reconstructions, quality, last, diverged = [[None] * len(tasks) for _ in tasks], [], [], None, None
+    stream = [data.Task(None, *(torch.cat([t[i] for t in tasks]) for i in (1, 2)), None, None)] if joint else tasks
+    R, reconstructions, quality, last, diverged = [[None] * len(tasks) for _ in stream], [], [], None, None
     memory = []  # the stored controls' kept images and labels, per old task
-    for t, task in enumerate(tasks):
+    for t, task in enumerate(stream):
         x_rec, y_rec = task.x_train[:0], task.y_train[:0]
         if cfg.variant != "base" and t > 0:  # Step 1: reconstruct old data from the model after task t
             start = time.time()
@@ -473,7 +434,7 @@ def run_continual(cfg, tasks, log=print, mean_image=None, judge=False, image_pat
             log(f"  [{name}] task {t + 1}: " + said(reconstructions[-1]))
             if judge and len(x_rec):
                 quality.append(report_reconstruction(name, tasks[:t], x_rec, y_rec, cfg, mean_image, image_path, log))
-        if cfg.scenario == "cil":
+        if cfg.scenario == "cil" and not joint:
             models.grow_head(model, per_task * (t + 1))
         batches, loss_of, clean = step2(task, x_rec, y_rec, cfg, per_task * t if cfg.scenario == "cil" else 0)
         try:
@@ -491,15 +452,23 @@ def run_continual(cfg, tasks, log=print, mean_image=None, judge=False, image_pat
             hooks["after_task"](model, data.loader(task.x_train, task.y_train, cfg.batch_size, shuffle=False), state)
         if cfg.variant in ("real", "centroids") and t < len(tasks) - 1:
             memory.append(stored_images(task, cfg.m, cfg.variant == "centroids", cfg.seed + t))
-        R[t][:t + 1] = [accuracy(model, old.x_test, old.y_test) for old in tasks[:t + 1]]
-        log(f"  [{name}] task {t + 1}/{len(tasks)} classes {task.classes}: loss {loss:.3f}, "
-            f"acc {' '.join(f'{a:.1f}' for a in R[t][:t + 1])}")
+        tested = tasks if joint else tasks[:t + 1]
+        R[t][:len(tested)] = [accuracy(model, old.x_test, old.y_test) for old in tested]
+        log(f"  [{name}] " + ("all tasks at once" if joint else f"task {t + 1}/{len(tasks)} classes {task.classes}")
+            + f": loss {loss:.3f}, acc {' '.join(f'{a:.1f}' for a in R[t][:len(tested)])}")
     if diverged is None and reconstructions and all(r["failed"] for r in reconstructions):
         diverged = "every reconstruction failed (the reconstruction settings; see each one's \"failed\")"
+    acc = bwt = None
+    if not diverged:  # joint: one row, each task tested once, no BWT
+        acc, bwt = (sum(R[0]) / len(R[0]), None) if joint else acc_and_bwt(R)
     held = 0 if last is None else len(last[0].unique(dim=0)) if cfg.variant == "centroids" else len(last[0])
-    # stored_images: what the arm holds before the last task (a centroid counts once)
-    return {**record_of(cfg, R, diverged, reconstructions, quality, started),
-            "stored_images": held}
+    return {"method": cfg.method, "variant": cfg.variant, "recl": cfg.variant != "base", "scenario": cfg.scenario,
+            "seed": cfg.seed, "acc_matrix": R, "ACC": acc, "BWT": bwt, "diverged": diverged,
+            "reconstructions": reconstructions, "recon_quality": quality,
+            "failed_reconstructions": sum(bool(r["failed"]) for r in reconstructions),
+            "stored_images": held,  # what the arm holds before the last task (a centroid counts once)
+            "seconds": round(time.time() - started, 2),
+            "phase_seconds": {"reconstruct": round(sum(r["seconds"] for r in reconstructions), 2)}}
 
 def said(r):
     """What the reconstruction before a task did, in a line."""
@@ -510,42 +479,6 @@ def said(r):
     return (f"reconstructed {r['kept']}/{r['candidates']}, loss {r['first_loss']:.4g} -> {r['kept_loss']:.4g}{left}"
             + (f", FLAGGED: {r['failed']} (kept its lowest-loss candidates)" if r["failed"] else ""))
 
-def run_jointly(cfg, tasks, log=print):
-    """The upper bound (`--method joint`): one model on every task's images at once; no BWT."""
-    started = time.time()
-    torch.manual_seed(cfg.seed)
-    tasks = [data.Task(t.classes, *(v.to(cfg.device) for v in t[1:])) for t in tasks]
-    n_outputs = len(tasks[0].classes) * (len(tasks) if cfg.scenario == "cil" else 1)
-    model = models.build_model(cfg.model, tasks[0].x_train.shape[1:], n_outputs).to(cfg.device)
-    every = data.Task(None, torch.cat([t.x_train for t in tasks]), torch.cat([t.y_train for t in tasks]), None, None)
-    batches, loss_of, clean = step2(every, every.x_train[:0], every.y_train[:0], cfg, 0)
-    row, diverged = None, None
-    try:
-        loss = train_task(model, batches, loss_of, torch.optim.SGD(model.parameters(), lr=cfg.lr), cfg.epochs, {}, {})
-        torch.optim.swa_utils.update_bn(((xb,) for xb, _, _ in clean()), model)
-        row = [accuracy(model, t.x_test, t.y_test) for t in tasks]
-        log(f"  [joint] all {len(tasks)} tasks at once: loss {loss:.3f}, acc {' '.join(f'{a:.1f}' for a in row)}")
-    except Diverged as err:
-        diverged = f"{err} (lr {cfg.lr:g})"
-        log(f"  [joint] diverged, {err}")
-    return record_of(cfg, [row], diverged, [], [], started)
-
-def record_of(cfg, R, diverged, reconstructions, quality, started):
-    """A run's record: its accuracy matrix, ACC and BWT (None if it diverged; joint has no BWT), and what each
-    reconstruction did."""
-    acc = bwt = None
-    if not diverged and cfg.method == "joint":  # one row, each task tested once: no BWT
-        acc = sum(R[0]) / len(R[0])
-    elif not diverged:
-        acc, bwt = acc_and_bwt(R)
-    return {"method": cfg.method, "variant": cfg.variant, "recl": cfg.variant != "base", "scenario": cfg.scenario,
-            "seed": cfg.seed, "acc_matrix": R, "ACC": acc, "BWT": bwt, "diverged": diverged,
-            "reconstructions": reconstructions, "recon_quality": quality,
-            "failed_reconstructions": sum(bool(r["failed"]) for r in reconstructions),
-            "seconds": round(time.time() - started, 2),
-            "phase_seconds": {"reconstruct": round(sum(r["seconds"] for r in reconstructions), 2)}}
-
-
 # ==== 3. The departures from the paper, and the controls =============================================================
 # Each: what the paper does, what we do, why; docs/departures.md has the numbers under the same number. A gap in the
 # numbering (7) is a lever that lost: it has no code. `--paper` switches every one off.
@@ -554,10 +487,7 @@ def record_of(cfg, R, diverged, reconstructions, quality, started):
 # training added, relative to its size (a grown head's new rows count from their own start, models.grow_head). Why:
 # Eq. 3 holds after long training; after minutes the random start theta_0 still dominates theta.
 def displacement_target(params, model):
-    start = models.start_weights(model)
-    if start is None:
-        raise ValueError("the displacement target needs the model's initial weights: "
-                         "build it with models.build_model or call models.remember_start first")
+    start = models.start_weights(model)  # models.build_model remembers it
     displacement = {k: params[k] - start[k] for k in params}
     return displacement, 1.0 / sum(v.pow(2).sum() for v in displacement.values()).clamp_min(1e-30)
 
@@ -772,9 +702,9 @@ def search_reconstruction(model, old_tasks, cfg, last=None, log=print, mean_imag
 
 def resolve(args, seed, variant):
     """One run's Config from the command line's `args` (None: not given), looked up in a fixed order, each source over
-    those before: Config's defaults, the network's (NETWORKS, replay arms), the method's at the run's budget
-    (strategies.TUNED, then ARMS for a replay arm), --paper's (PAPER), the control's (CONTROL, STORED), the flags
-    given. Then the values that depend on others, each a named `retune` line that never overrides a flag."""
+    those before: Config's defaults, the network's (NETWORKS), the method's at the run's budget (strategies.TUNED, then
+    ARMS), --paper's (PAPER), the control's (CONTROL, STORED), the flags given. Then the values that depend on others,
+    each a named `retune` line that never overrides a flag."""
     method, scenario, model, replay = args.method, args.scenario, args.model, variant != "base"
     # the flags given, but those of the replay arm for the method alone (which takes only --budget of them)
     given = {k: v for k, v in vars(args).items() if v is not None and k in FIELDS and k not in ("seed", "variant", "hp")
@@ -785,10 +715,11 @@ def resolve(args, seed, variant):
     if given.get("n_per_class") == "all":
         given["n_per_class"] = None  # every training image
     paper = replay and bool(given.get("paper"))
-    tuned = replay and not paper  # a replay arm with the values tuned here, not the paper's
+    # the values tuned here, not the paper's: a replay arm's, and the method alone's at +ReCL's budget (--budget recl)
+    tuned = (replay and not paper) or (not replay and given.get("budget") == "recl")
     network = NETWORKS[model][scenario] if tuned else {}
-    # which of the method's tuned lr, epochs and hyperparameters: at --budget if given; else +ReCL's for a replay arm
-    # (AlexNet's network entry says "alone" instead); else, for the method alone and under --paper, its own
+    # the method's tuned lr, epochs and hyperparameters: +ReCL's for a tuned run unless the network (AlexNet) or a flag
+    # says otherwise; its own ("alone") for the method alone and under --paper
     budget = given.get("budget", network.get("budget", "recl") if tuned else "alone")
     own = strategies.TUNED[scenario].get(method, {})  # a method not tuned yet: Config's values
     arm = {**ARMS.get((scenario, method), {}), **ARMS.get((scenario, method, variant), {})}
@@ -807,8 +738,11 @@ def resolve(args, seed, variant):
     def retune(source, **changes):  # never a flag's value, nor one the run does not use
         for k in (k for k in changes if k not in given and values[k] is not None):
             values[k], set_by[k] = changes[k], source
-    if not replay:  # the method alone takes no replay value (its --budget recl is at the end)
+    if not replay:  # the method alone replays nothing; at +ReCL's budget it trains as that arm, on its own images
         values.update({k: None for k in RECL_FIELDS if k not in given})
+        set_by = {k: source for k, source in set_by.items() if values[k] is not None or k in given}
+        if values["ce_scope"] == "local":
+            values["ce_scope"] = "new"  # local needs replayed rows
     # the candidates' step size follows what they fit and how, under --paper too (departures.md, 1 and 6)
     if variant == "inversion":
         retune("steps", lr_x=0.3 if scenario == "dil" else 0.003)
@@ -827,19 +761,13 @@ def resolve(args, seed, variant):
     values["set_by"], values["paper"] = set_by, paper  # the method alone is the same run with --paper or without
     if values["device"] == "auto":
         values["device"] = "cuda" if torch.cuda.is_available() else "cpu"
-    if variant == "base" and values["budget"] == "recl":  # the method alone, trained exactly as its +ReCL run trains:
-        recl = resolve(args, seed, "recl")                   # that run's values, looked up as above
-        values.update(lr=recl.lr, epochs=recl.epochs, hp=recl.hp,
-                      ce_scope="new" if recl.ce_scope == "local" else recl.ce_scope)  # local needs replayed rows
-        values["set_by"].update({k: "budget" for k in ("lr", "epochs", "ce_scope", *recl.hp) if k not in given})
     return Config(**values)
 
 def variants(args):
     """The variants a command runs: the method alone and its replay arm (+ReCL, or what --replay-source names)."""
-    if args.method == "joint":
-        return ["base"]
     arm = SOURCES[args.replay_source or "eq3"]
-    return {None: ["base", arm], "both": ["base", arm], "base": ["base"], "recl": [arm]}[args.variant]
+    return ["base"] if args.method == "joint" else {None: ["base", arm], "both": ["base", arm], "base": ["base"],
+                                                     "recl": [arm]}[args.variant]
 
 class UsageError(Exception):
     """Bad input, printed as one line."""
@@ -969,11 +897,9 @@ def tasks_of(dataset, seed, n_per_class, scenario, classes_per_task, data_root, 
     tasks, *rest = data.make_tasks(dataset, seed, n_per_class, scenario, classes_per_task, data_root)
     return data.validation_split(tasks, 0.2, seed) if validation else tasks, *rest
 
-NOT_IN_DIGEST = ("seed", "device", "data_root", "set_by")  # where it ran does not define a run
-
 def digest(cfg):
     """Eight hex digits that change with any setting of the run but its seed; a .pt counts by its contents."""
-    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_IN_DIGEST}
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("seed", "device", "data_root", "set_by")}
     if cfg.dataset.endswith(".pt") and Path(cfg.dataset).is_file():
         settings["dataset"] = f"sha256:{data.file_sha256(cfg.dataset)}"
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
@@ -1002,7 +928,7 @@ def describe(cfg):
                 **{k: getattr(cfg, k) for k in RECL_FIELDS if getattr(cfg, k) is not None}}
     by = {s: [f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in settings.items()
               if cfg.set_by.get(k, "default") == s]
-          for s in ("default", "network", "method", "paper", "control", "steps", "budget", "flag")}
+          for s in ("default", "network", "method", "paper", "control", "steps", "flag")}
     return text + "".join(f" | {s}: {', '.join(kv)}" for s, kv in by.items() if kv) + f" | config {digest(cfg)}"
 
 class RunFailed(Exception):
