@@ -9,42 +9,40 @@ trains on those reconstructions with the new task's data (Step 2, Sec. 4.2).
 
 Read top to bottom:
   0. The settings: `Config`, one field per setting with its help, and the tables a run's values are looked up in.
-  1. The paper: Eq. 3-6, Step 1's loop (`reconstruct`), Step 2's loop (`train_task`), Eq. 1-2. Plain functions.
+  1. The paper: Eq. 3-6 and the theory behind them, Step 1's loop (`reconstruct`), Step 2's (`train_task`), Eq. 1-2.
   2. A run: `step1` and `step2` build those loops' values from a Config, each departure one named `if` line where it
      acts (the filter's in `run_continual`, between the two steps); `run_continual` is the task loop.
   3. The departures, one function each, numbered as in docs/departures.md; the controls (inversion, stored images).
   4. Judging a reconstruction (SSIM, App. D.5) and Sec. 4.3's search, which runs Step 1 several times.
   5. The command line: a run's values looked up (`resolve`), the checks, `main`.
-
 A method (EWC, ER, ...) is an entry of strategies.STRATEGIES: its hooks, its hyperparameters as (default, meaning,
-test of a value) and the grid tools/tune.py searches (joint: no hooks). A hook is called where it acts (`train_task`,
-`run_continual`): extra_loss(model, x, y, logits, state) -> a loss added to the batch's; after_backward(model, state),
+test of a value) and the grid tools/tune.py searches (joint: no hooks). The hooks, called in `train_task` and
+`run_continual`: extra_loss(model, x, y, logits, state) -> a loss added to the batch's; after_backward(model, state),
 which may rewrite .grad; after_task(model, loader, state), on the task's real images. `state` starts as the method's
-hyperparameters (strategies.new_state); its hooks keep it across tasks. The one other table a run reads from there is
+hyperparameters (strategies.new_state); its hooks keep it across tasks. A run reads one more table from there:
 TUNED[scenario][method] = {"alone": {lr, epochs, hyperparameters}, "recl": {what +ReCL's budget changes}}. Networks
-are in models.py, the data and result files in data.py. `python tools/see_eq3_work.py` shows Eq. 3 reading training
-images back out of a network.
+are in models.py, the data and result files in data.py; `python tools/see_eq3_work.py` shows Eq. 3 at work.
 
 Adding a method: its STRATEGIES entry (hyperparameters named unlike Config's fields: `resolve` merges them), its TUNED
 values, an ARMS line if one arm needs its own, a test of its hooks against a direct computation (as EWC's Fisher
 against a per-sample loop); a call in `train_task` or `run_continual` only for a new hook point. Nothing else lists
-methods: `--method`, run_all.sh and tools/ read STRATEGIES.
+methods (`--method`, run_all.sh and tools/ read STRATEGIES).
 Adding a departure: a Config field among the replay fields, from `m` (among Step 2's, `lr` to `ce_scope`, if the method
-alone takes it too, and then in `resolve`'s last lines); its "off" value in PAPER; its value in NETWORKS or CONTROL
-where a network or control differs; its function in part 3 and one `if` line where it acts; where needed, a `retune`
-line, a refusal in `check`, a range in SEARCH_SPACE, a term in `check_tasks`'s memory estimate; a test on a trained net
-and a docs/departures.md section; then rerun the shipped tables (a new field renames every result). Its flag, range
-check and header entry follow from the field; run_all.sh, tools/ and the other tests need no edit.
+alone takes it too); its "off" value in PAPER; its value in NETWORKS or CONTROL where a network or control differs;
+its function in part 3 and one `if` line where it acts; where needed, a `retune` line, a refusal in `check`, a range
+in SEARCH_SPACE, a term in `check_tasks`'s memory estimate; a test on a trained net and a docs/departures.md section;
+then rerun the shipped tables (a new field renames every result). Its flag, range check and header entry follow from
+the field; run_all.sh, tools/ and the other tests need no edit.
 
 `--paper` (PAPER) switches every departure off and trains at the method's own budget (TUNED's "alone", tuned on
-validation as the paper tunes its baselines, App. D.3); flags given with it still win. It keeps, where the paper's text
-is silent: Phi of a multi-class network as the margin against the best other class, one lambda per candidate, lambda_i
-from U(0, 1), momentum 0.9 in Step 1's SGD, the lowest-loss step kept, Step 1's copy in eval mode, the same random
-start before every task, batch-norm statistics re-estimated after each task (ResNet18), float32. Against the printed
-equations, as the paper's reference code (Buzaglo et al. 2023) does: squared hinges in Eq. 4 and 5, weight 5 on Eq. 4,
-Eq. 3's sum scaled by 1/n. The rest is the paper's own: x_i ~ N(0, sigma_x^2 I), fixed labels, m = n, the smooth
+validation as the paper tunes its baselines, App. D.3); flags given with it still win. Where the paper's text is
+silent it keeps: Phi of a multi-class network as the margin against the best other class, one lambda per candidate,
+lambda_i from U(0, 1), momentum 0.9 in Step 1's SGD, the lowest-loss step kept, Step 1's copy in eval mode, the same
+random start before every task, batch-norm statistics re-estimated after each task (ResNet18), float32. Against the
+printed equations, as the paper's reference code (Buzaglo et al. 2023) does: squared hinges in Eq. 4 and 5, weight 5
+on Eq. 4, Eq. 3's sum scaled by 1/n. The rest is the paper's: x_i ~ N(0, sigma_x^2 I), fixed labels, m = n, the smooth
 ReLU's backward, SGD on L_full for n_rec steps, naive tuning (Sec. 4.3), the CIL head grown with its old rows, a bias
-on the first layer only, Step 2 as plain SGD in batches of 64 (App. D); models.py's initialisation, data.py's scaling.
+on the first layer only, Step 2 as plain SGD in batches of 64 (App. D); models.py's init, data.py's scaling.
 """
 import argparse, copy, dataclasses, functools, hashlib, json, math, os, shlex, sys, time
 from pathlib import Path
@@ -69,57 +67,50 @@ COUNT = dict(above=0, high=100_000)  # far beyond any study here, far short of f
 class Config:
     """Every value one run uses. The defaults are the MLP's +ReCL run on SplitMNIST, but for the lr, epochs and
     hyperparameters each method tunes (strategies.TUNED). The replay arm's fields, `m` to `trials`, are None for the
-    method alone (`budget` too, unless --budget is given), and for the controls the fields they skip (CONTROL, STORED)."""
+    method alone (`budget` too, unless --budget is given), and for the controls those they skip (CONTROL, STORED)."""
     # what runs
     dataset: str = setting("mnist", "mnist (shipped), fashion-mnist, cifar10, or a .pt")
     scenario: str = setting("cil", "class-incremental (a growing head) or domain-incremental", choices=["cil", "dil"])
     method: str = setting("finetune", "the continual-learning method", choices=list(strategies.STRATEGIES))
-    variant: str = setting("base", "base (the method alone), or what it replays: recl, inversion, real or centroids",
-                           flag=False)  # its flags are --variant and --replay-source
-    model: str = setting("mlp", "the paper's MLP or CNN, or the non-homogeneous AlexNet or ResNet18",
-                         choices=models.MODELS)
+    variant: str = setting("base", "base (the method alone), recl, inversion, real or centroids", flag=False)
+    model: str = setting("mlp", "the paper's MLP or CNN, or AlexNet or ResNet18", choices=models.MODELS)
     seed: int = setting(0, "first seed: class order, init and shuffles", low=0)
     # data
-    n_per_class: int | None = setting(100, "training images per class, or 'all'", kind=per_class, above=0)
+    n_per_class: int = setting(100, "training images per class, or 'all'", kind=per_class, above=0)
     classes_per_task: int = setting(2, "classes per task", above=0)
-    validation: bool = setting(False, "score on a fifth of each task's training images, held out, not the test set")
+    validation: bool = setting(False, "score on a held-out fifth of each task's training images, not the test set")
     data_root: str = setting("data", "where fashion-mnist and cifar10 live")
     # training (Step 2)
     lr: float = setting(0.05, "SGD learning rate", above=0, high=10.0)
     epochs: int = setting(20, "epochs per task", above=0, high=10_000)
     batch_size: int = setting(64, "training batch size", above=0)
-    ce_scope: str = setting("all", "CIL, departure 8 (the method alone takes it too): the task's own images scored "
-                            "over all classes, its new ones (new), and replay over the old (local)",
-                            choices=["all", "new", "local"])
+    ce_scope: str = setting("all", "CIL, departure 8, the method alone too: the task's images scored over all classes, "
+                            "its new ones (new), and replay over the old (local)", choices=["all", "new", "local"])
     hp: dict = dataclasses.field(default_factory=dict)  # the method's own hyperparameters (strategies.py), by --hp
     # reconstruction (Step 1) and replay: the replay arm's fields, m to trials (RECL_FIELDS; a new departure's here)
-    m: int | None = setting(None, "candidates per old class (DIL: per class and old task); default: --n-per-class",
-                            kind=int, **COUNT)
-    n_rec: int | None = setting(100, "reconstruction steps before each task", **COUNT)
-    sigma_x: float | None = setting(1e-3, "std of the initial random candidates", above=0, high=10.0)
-    lr_x: float | None = setting(3.0, "step size of the candidates", above=0, high=1000.0)
-    lr_lambda: float | None = setting(0.1, "step size of the lambdas", above=0, high=1000.0)
-    lambda_min: float | None = setting(0.05, "Eq. 4 pushes each lambda_i above this", above=0, high=1000.0)
-    alpha: float | None = setting(100.0, "sharpness of the smooth ReLU's backward", above=0, high=1e6)
-    rec_target: str | None = setting("displacement", "departure 1: Eq. 3 fits theta - theta_0, or theta (weights)",
-                                     choices=["weights", "displacement"])
-    freeze_old: bool | None = setting(True, "departure 2: classes reconstructed before keep their candidates")
-    filter: bool | None = setting(True, "departure 3: replay only candidates the model files under their label")
-    replay_noise: float | None = setting(2.5, "departure 4: std of fresh noise on replay, in pixel stds", low=0,
-                                         high=100.0)
-    ce_weight: float | None = setting(3e-4, "departure 5: weight of inversion's cross-entropy added to Eq. 6", low=0,
-                                      high=1e6)
-    rec_optimizer: str | None = setting("sgd", "departure 6: the candidates' optimiser", choices=["sgd", "adam"])
-    replay_batch: int | None = setting(0, "departure 9: reconstructions in each batch of the task's images; 0: they "
-                                       "join the task's data", low=0, high=100_000)
-    budget: str | None = setting("recl", "the method's lr, epochs, hp: its +ReCL arm's (recl) or its own (alone); "
-                                 "recl on the method alone: no replay, +ReCL's training", choices=["alone", "recl"])
-    rec_precision: str | None = setting("float32", "number format of the reconstruction's products",
-                                        choices=["float32", "bfloat16"])
-    tuning: str | None = setting("naive", "Sec. 4.3: the run's values, or a search per task scored by the final "
-                                 "L_full (unsup) or by SSIM to a few stored images (sup)",
-                                 choices=["naive", "unsup", "sup"])
-    trials: int | None = setting(None, "the search's trials per task (default: 10)", kind=int, above=0, high=1000)
+    m: int = setting(None, "candidates per old class (DIL: per class and old task); default: --n-per-class", kind=int,
+                     **COUNT)
+    n_rec: int = setting(100, "reconstruction steps before each task", **COUNT)
+    sigma_x: float = setting(1e-3, "std of the initial random candidates", above=0, high=10.0)
+    lr_x: float = setting(3.0, "step size of the candidates", above=0, high=1000.0)
+    lr_lambda: float = setting(0.1, "step size of the lambdas", above=0, high=1000.0)
+    lambda_min: float = setting(0.05, "Eq. 4 pushes each lambda_i above this", above=0, high=1000.0)
+    alpha: float = setting(100.0, "sharpness of the smooth ReLU's backward", above=0, high=1e6)
+    rec_target: str = setting("displacement", "departure 1: Eq. 3 fits theta - theta_0, or theta (weights)",
+                              choices=["weights", "displacement"])
+    freeze_old: bool = setting(True, "departure 2: classes reconstructed before keep their candidates")
+    filter: bool = setting(True, "departure 3: replay only candidates the model files under their label")
+    replay_noise: float = setting(2.5, "departure 4: std of fresh noise on replay, in pixel stds", low=0, high=100.0)
+    ce_weight: float = setting(3e-4, "departure 5: weight of an inversion term added to Eq. 6", low=0, high=1e6)
+    rec_optimizer: str = setting("sgd", "departure 6: the candidates' optimiser", choices=["sgd", "adam"])
+    replay_batch: int = setting(0, "departure 9: reconstructions in each batch; 0: they join the task's data", low=0,
+                                high=100_000)
+    budget: str = setting("recl", "the method's lr, epochs, hp: its +ReCL arm's (recl) or its own (alone); recl on "
+                          "the method alone: no replay, +ReCL's training", choices=["alone", "recl"])
+    rec_precision: str = setting("float32", "number format of Step 1's products", choices=["float32", "bfloat16"])
+    tuning: str = setting("naive", "Sec. 4.3: the run's values, or a search per task scored by the final L_full "
+                          "(unsup) or by SSIM to a few stored images (sup)", choices=["naive", "unsup", "sup"])
+    trials: int = setting(None, "the search's trials per task (default: 10)", kind=int, above=0, high=1000)
     paper: bool = setting(False, "the paper's method: every departure off, the method's own training budget")
     # where
     device: str = setting("auto", "auto: CUDA when present", choices=["auto", "cpu", "cuda"])
@@ -155,8 +146,7 @@ ARMS = {("cil", "er"): {"ce_scope": "all"}, ("cil", "gpm"): {"replay_noise": 0.0
 #
 # Why reading data out of weights can work (App. B). A homogeneous network, Phi(c theta; x) = c^L Phi(theta; x)
 # (ReLU layers without biases or skips), trained by gradient descent on cross-entropy, converges in direction to a
-# KKT point of  min_theta 1/2 |theta|^2  s.t.  Phi_y_i(theta; x_i) - Phi_j(theta; x_i) >= 1  for every i and j != y_i.
-# Its KKT system has four parts:
+# KKT point of  min_theta 1/2 |theta|^2  s.t.  Phi_y_i(theta; x_i) - Phi_j(theta; x_i) >= 1  for all i, j != y_i:
 #   stationarity             theta = sum_i sum_{j != y_i} lambda_ij grad_theta (Phi_y_i - Phi_j)(theta; x_i)   (Eq. 9)
 #   dual feasibility         lambda_ij >= 0                                                                    (Eq. 10)
 #   primal feasibility       every margin >= 1
@@ -200,16 +190,13 @@ class SmoothBackwardReLU(torch.autograd.Function):
     """relu(z) forward; backward sigmoid(alpha z), the derivative of the rounded ReLU log(1 + e^(alpha z)) / alpha
     (Haim et al. 2022), in plain operations that autograd differentiates again in Step 1's double backward."""
     generate_vmap_rule = True  # torch.func takes it through vmap
-
     @staticmethod
     def forward(z, alpha):
         return z.clamp_min(0)
-
     @staticmethod
     def setup_context(ctx, inputs, output):
         z, ctx.alpha = inputs
         ctx.save_for_backward(z)
-
     @staticmethod
     def backward(ctx, grad_out):
         return grad_out * torch.sigmoid(ctx.alpha * ctx.saved_tensors[0]), None
@@ -218,7 +205,6 @@ class SmoothReLU(torch.nn.Module):  # the module that stands in for each nn.ReLU
     def __init__(self, alpha):
         super().__init__()
         self.alpha = alpha
-
     def forward(self, z):
         return SmoothBackwardReLU.apply(z, self.alpha)
 
@@ -238,8 +224,7 @@ def margins(model, params, x, y):
     return own - best_other
 
 def weighted_gradient_sum_vmap(model, params, x, y, lam):
-    """(1/n) sum_i lambda_i grad_theta Phi(theta; x_i) as written, one gradient per candidate: the reference the fast
-    form below is tested against."""
+    """(1/n) sum_i lambda_i grad_theta Phi(theta; x_i) as written, one gradient per candidate (the tests' reference)."""
     margin_of_one = lambda p, xi, yi: margins(model, p, xi[None], yi[None])[0]
     per_candidate = vmap(grad(margin_of_one), in_dims=(None, 0, 0))(params, x, y)
     return {k: torch.tensordot(lam, g, dims=1) / len(x) for k, g in per_candidate.items()}
@@ -337,9 +322,7 @@ def acc_and_bwt(R):
     """R[t][i]: test accuracy (percent) on task i after training task t. ACC = mean_i R[T, i] (Eq. 1);
     BWT = mean_{i<T} R[T, i] - R[i, i] (Eq. 2)."""
     T = len(R)
-    acc = sum(R[T - 1][i] for i in range(T)) / T
-    bwt = sum(R[T - 1][i] - R[i][i] for i in range(T - 1)) / (T - 1) if T > 1 else 0.0
-    return acc, bwt
+    return sum(R[-1]) / T, sum(R[-1][i] - R[i][i] for i in range(T - 1)) / (T - 1) if T > 1 else 0.0
 
 @torch.no_grad()
 def accuracy(model, x, y, batch_size=1000):
@@ -696,7 +679,6 @@ def search_reconstruction(model, old_tasks, cfg, last=None, log=print, mean_imag
         if best is None or ranked > best[0]:
             best = (ranked, (x, y, lam, {**report, "hyperparameters": hp, "score": value}))
     return best[1]
-
 
 # ==== 5. The command line: a run's values, the checks, main ==========================================================
 
