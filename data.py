@@ -1,5 +1,5 @@
 """Data for continual learning: datasets as image tensors in memory, split into tasks; and the files a run writes."""
-import functools, gzip, hashlib, importlib, io, json, os, pickle, subprocess, sys
+import functools, gzip, hashlib, importlib, io, json, os, pickle, subprocess, sys, tempfile
 from collections import namedtuple
 from pathlib import Path
 
@@ -43,8 +43,8 @@ def fetch(name, root, how):  # torchvision's download; offline (DNS, refused, ti
 def load_fashion_mnist(root):
     """Fashion-MNIST (Xiao et al. 2017), 10 classes of clothing as IDX files: torchvision's, Debian's, or downloaded."""
     files = lambda d: [next((p for p in (Path(d, s), Path(d, s + ".gz")) if p.is_file()), None) for s in IDX_STEMS]
-    if None in (found := files(raw := Path(root, "FashionMNIST", "raw"))) and None in (
-            found := files(DEBIAN_FASHION_MNIST)):
+    raw = Path(root, "FashionMNIST", "raw")  # where torchvision keeps and downloads them
+    if None in (found := files(raw)) and None in (found := files(DEBIAN_FASHION_MNIST)):
         fetch("FashionMNIST", root, f"nor in {DEBIAN_FASHION_MNIST}: `apt-get install dataset-fashion-mnist`")
         found = files(raw)
     return tuple(t.long() if t.dim() == 1 else t[:, None] for t in map(read_idx, found))  # images get one channel
@@ -81,19 +81,16 @@ def load_tensor_file(path):
     need(isinstance(content, dict) and all(isinstance(content.get(k), torch.Tensor) for k in keys),
          f"{path} must hold a dict of the tensors {', '.join(keys)}")
     x_train, y_train, x_test, y_test = (content[k] for k in keys)
-    for split, x, y in (("train", x_train, y_train), ("test", x_test, y_test)):  # each check once those above pass
-        for ok, expected in (
-                (lambda: x.layout == y.layout == torch.strided, "{x} and {y} must be dense (save them .to_dense())"),
-                (lambda: x.dim() in (2, 4) and len(x) > 0 and x[0].numel() > 0, "{x} must be [N, C, H, W] or [N, D]"),
-                (lambda: x.shape[1:] == x_train.shape[1:], "{x} must be shaped as x_train"),
-                (lambda: y.shape == (len(x),), "{y} must hold one label a row of {x}"),
-                (lambda: not (y.dtype.is_floating_point or y.dtype.is_complex or y.dtype == torch.bool),
-                 "{y} must hold integer labels"),
-                (lambda: x.dtype == torch.uint8 or x.dtype.is_floating_point and 0 <= x.min() <= x.max() <= 1,
-                 "{x} must be uint8, or float in [0, 1] (no NaN)"),
-                (lambda: torch.equal(k := y_train.unique(), torch.arange(len(k))) and 0 <= y.min() and y.max() < len(k),
-                 "the labels must be 0..K-1, each in y_train, and {y}'s among them")):
-            need(ok(), f"{path}: " + expected.format(x=f"x_{split}", y=f"y_{split}"))
+    for s, x, y in (("train", x_train, y_train), ("test", x_test, y_test)):  # each check once those above pass
+        need(x.layout == y.layout == torch.strided, f"{path}: x_{s} and y_{s} must be dense (save them .to_dense())")
+        need(x.dim() in (2, 4) and len(x) > 0 and x[0].numel() > 0, f"{path}: x_{s} must be [N, C, H, W] or [N, D]")
+        need(x.shape[1:] == x_train.shape[1:], f"{path}: x_{s} must be shaped as x_train")
+        need(y.shape == (len(x),) and not (y.dtype.is_floating_point or y.dtype.is_complex or y.dtype == torch.bool),
+             f"{path}: y_{s} must hold one integer label a row of x_{s}")
+        need(x.dtype == torch.uint8 or x.dtype.is_floating_point and 0 <= x.min() <= x.max() <= 1,
+             f"{path}: x_{s} must be uint8, or float in [0, 1] (no NaN)")
+        need(torch.equal(k := y_train.unique(), torch.arange(len(k))) and 0 <= y.min() and y.max() < len(k),
+             f"{path}: the labels must be 0..K-1, each in y_train, and y_{s}'s among them")
     return tuple(t.long() if t.dim() == 1 else t.detach() if t.dim() == 4 else t.detach()[:, None, None] for t in
                  (x_train, y_train, x_test, y_test))  # x [N, D] as [N, 1, 1, D]; detached, as grads break training
 LOADERS = {"mnist": lambda root: (*load_mnist_subset(), None, None), "fashion-mnist": load_fashion_mnist,
@@ -102,8 +99,7 @@ DATASETS = list(LOADERS)
 
 def make_tasks(dataset, seed, n_per_class=100, scenario="cil", classes_per_task=2, data_root="data"):
     """Tasks (Sec. 5, App. C): a seeded class order, then per class a seeded permutation whose first `n_per_class`
-    (None: all) train. Pixels: [0, 1] less the training mean, so [-1, 1] as Eq. 5's prior assumes. 4th: classes in no
-    whole task."""
+    (None: all) train. Pixels: [0, 1] less the training mean: [-1, 1], as Eq. 5's prior assumes. 4th: unused classes."""
     x_train, y_train, x_test, y_test = LOADERS[dataset](data_root) if dataset in LOADERS else load_tensor_file(dataset)
     generator, classes, one_pool = torch.Generator().manual_seed(seed), torch.unique(y_train), x_test is None
     need((n_tasks := len(classes) // classes_per_task) >= 2, f"{dataset} has {len(classes)} class(es): too few for "
@@ -125,13 +121,13 @@ def make_tasks(dataset, seed, n_per_class=100, scenario="cil", classes_per_task=
 def split_into_tasks(x_train, y_train, x_test, y_test, class_order, classes_per_task, scenario):
     """Cut the class order into tasks of k classes and relabel (Sec. 5). CIL: a class's label is its place in the class
     order (task 2 owns k..2k-1), so the head grows by k outputs a task; DIL: each task is 0..k-1, one head of k."""
-
-    def task(start):
+    tasks = []
+    for start in range(0, len(class_order), classes_per_task):
         classes = class_order[start:start + classes_per_task]
         label = {c: (start if scenario == "cil" else 0) + j for j, c in enumerate(classes)}
         pick = lambda x, y: (x[m := torch.isin(y, torch.tensor(classes))], torch.tensor([label[int(c)] for c in y[m]]))
-        return Task(classes, *pick(x_train, y_train), *pick(x_test, y_test))
-    return [task(start) for start in range(0, len(class_order), classes_per_task)]
+        tasks.append(Task(classes, *pick(x_train, y_train), *pick(x_test, y_test)))
+    return tasks
 
 def validation_split(tasks, fraction=0.2, seed=0):
     """For tuning (tools/tune.py): each task tests on a held-out `fraction` of its training images, not its test set."""
@@ -146,19 +142,14 @@ def loader(x, y, batch_size, shuffle=True, seed=0):  # a seeded generator of its
     dataset, generator = torch.utils.data.TensorDataset(x, y), torch.Generator().manual_seed(seed)
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=generator)
 
-
 # --- The files a run writes ---
-
 def check_writable(folder):
     """The results folder, or the nearest one above it that exists, takes a file (nothing is made here)."""
     folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        raise DataError(f"--out {folder} is a file; it must name a folder")
+    need(folder.is_dir() or not folder.exists(), f"--out {folder} is a file; it must name a folder")
     there = next(p for p in (folder.absolute(), *folder.absolute().parents) if p.exists())
     try:
-        probe = there / f".write-test-{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
+        tempfile.TemporaryFile(dir=there).close()  # a file with no name, gone once closed
     except OSError as err:
         raise DataError(f"--out {folder}: cannot write results there ({err.strerror or err})") from None
 
@@ -179,8 +170,7 @@ def provenance():
 
 def write_json_atomically(path, record):
     """Write to a temporary name, then rename: a killed run never leaves half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    (path := Path(path)).parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(record, separators=(",", ":")))
     os.replace(tmp, path)
