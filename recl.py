@@ -20,15 +20,17 @@ test of a value) and the grid tools/tune.py searches (joint: no hooks). The hook
 `run_continual`: extra_loss(model, x, y, logits, state) -> a loss added to the batch's; after_backward(model, state),
 which may rewrite .grad; after_task(model, loader, state), on the task's real images. `state` starts as the method's
 hyperparameters (strategies.new_state); its hooks keep it across tasks. A run reads one more table from there:
-TUNED[scenario][method] = {"alone": {lr, epochs, hyperparameters}, "recl": {what +ReCL's budget changes}}. Networks
+TUNED[scenario][method] = {"alone": {lr, epochs, hyperparameters}, "recl": {what +ReCL's budget changes}}, Step 2's
+values only: no method changes a Step 1 value. Networks
 are in models.py, the data and result files in data.py; `python tools/see_eq3_work.py` shows Eq. 3 at work.
 
 Adding a method: its STRATEGIES entry (hyperparameters named unlike Config's fields: `resolve` merges them), its TUNED
 values, an ARMS line if one arm needs its own, a test of its hooks against a direct computation (as EWC's Fisher
-against a per-sample loop); a call in `train_task` or `run_continual` only for a new hook point. Nothing else lists
-methods (`--method`, run_all.sh and tools/ read STRATEGIES).
+against a per-sample loop); a call in `train_task` or `run_continual` only for a new hook point; its rows in the
+README's tables once run_all.sh has run it. No code lists methods (`--method`, run_all.sh and tools/ read STRATEGIES).
 Adding a departure: a Config field among the replay fields, from `m` (among Step 2's, `lr` to `ce_scope`, if the method
-alone takes it too); its "off" value in PAPER; its value in NETWORKS or CONTROL where a network or control differs;
+alone takes it too); its "off" value in PAPER; its value in NETWORKS or CONTROL where a network or inversion differs;
+its name in STORED's kept list if the stored controls (real, centroids) use it;
 its function in part 3 and one `if` line where it acts; where needed, a `retune` line, a refusal in `check`, a range
 in SEARCH_SPACE, a term in `check_tasks`'s memory estimate; a test on a trained net and a docs/departures.md section;
 then rerun the shipped tables (a new field renames every result). Its flag, range check and header entry follow from
@@ -38,7 +40,9 @@ the field; run_all.sh, tools/ and the other tests need no edit.
 validation as the paper tunes its baselines, App. D.3); flags given with it still win. Where the paper's text is
 silent it keeps: Phi of a multi-class network as the margin against the best other class, one lambda per candidate,
 lambda_i from U(0, 1), momentum 0.9 in Step 1's SGD, the lowest-loss step kept, Step 1's copy in eval mode, the same
-random start before every task, batch-norm statistics re-estimated after each task (ResNet18), float32. Against the
+random start before every task, batch-norm statistics re-estimated after each task (ResNet18), float32, the
+candidates' step size following what Eq. 3 fits (`retune`: lr_x 1 for theta), a fresh SGD and the same seeded shuffle
+for each task's Step 2. Against the
 printed equations, as the paper's reference code (Buzaglo et al. 2023) does: squared hinges in Eq. 4 and 5, weight 5
 on Eq. 4, Eq. 3's sum scaled by 1/n. The rest is the paper's: x_i ~ N(0, sigma_x^2 I), fixed labels, m = n, the smooth
 ReLU's backward, SGD on L_full for n_rec steps, naive tuning (Sec. 4.3), the CIL head grown with its old rows, a bias
@@ -252,8 +256,9 @@ def candidate_labels(n_outputs, m, n_old_tasks, scenario):
     return torch.arange(n_outputs).repeat_interleave(m * (1 if scenario == "cil" else n_old_tasks))
 
 def random_start(n, input_shape, sigma_x, seed):
-    """x_i ~ N(0, sigma_x^2 I) (Sec. 4.1) and lambda_i ~ U(0, 1), the same draw for a seed: before every task slot i
-    starts from the same noise (with departure 2 the earlier classes' slots are then overwritten)."""
+    """x_i ~ N(0, sigma_x^2 I) (Sec. 4.1) and lambda_i ~ U(0, 1), the same draw for a seed: before every task x's slot
+    i starts from the same noise (lambda's draw follows all of x's, so it moves with n; with departure 2 the earlier
+    classes' slots are then overwritten)."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(n, *input_shape, generator=gen) * sigma_x, torch.rand(n, generator=gen)
 
@@ -487,7 +492,8 @@ def keep_earlier(labels, x, lam, earlier_x, earlier_labels, earlier_lam):
     return fixed
 
 def less_share_of(net, params, target, x, labels, lam, n):
-    """Fixed candidates add a constant to Eq. 3's sum: take it off the target once."""
+    """Fixed candidates add a constant to Eq. 3's sum: take it off the target once. Their lambdas were fitted under
+    the smaller n of an earlier task, so 1/n now shrinks their share; the free candidates fit the rest."""
     share = weighted_gradient_sum(net, params, x, labels, lam, n)
     return {k: target[k] - share[k] for k in target}
 
