@@ -7,9 +7,8 @@ import torch.nn as nn
 class MLP(nn.Module):  # the paper's D-1000-1000-C perceptron
     def __init__(self, in_dim, n_classes, hidden=1000, first_init_scale=1e-4):
         super().__init__()
-        self.fc1 = nn.Linear(in_dim, hidden)
-        self.fc2, self.head = nn.Linear(hidden, hidden, bias=False), nn.Linear(hidden, n_classes, bias=False)
-        self.act1, self.act2 = nn.ReLU(), nn.ReLU()
+        self.fc1, self.fc2 = nn.Linear(in_dim, hidden), nn.Linear(hidden, hidden, bias=False)
+        self.head, self.act1, self.act2 = nn.Linear(hidden, n_classes, bias=False), nn.ReLU(), nn.ReLU()
         for p in self.fc1.parameters():  # weight, then bias: N(0, scale^2), drawn after all default inits
             p.data.normal_().mul_(first_init_scale)
 
@@ -24,9 +23,7 @@ def he_init(model):
         if module.bias is not None:
             nn.init.zeros_(module.bias)
 
-class CNN(nn.Module):
-    """The paper's CNN (after Deng et al. 2021): two 3x3 convolutions of 160, stride 2 (no pooling), then 640-320-C."""
-
+class CNN(nn.Module):  # the paper's (after Deng et al. 2021): two 3x3 convolutions of 160, stride 2, then 640-320-C
     def __init__(self, input_shape, n_classes, channels=160):
         super().__init__()
         (c, h, w), side = input_shape, lambda n: ((n - 3) // 2 + 1 - 3) // 2 + 1  # a side after both convolutions

@@ -1,8 +1,5 @@
-"""Continual-learning methods as hooks that recl.py's training loop calls, per method in `STRATEGIES` (at the end);
-`state` is a plain dict kept across tasks, starting from the method's hyperparameters. ReCL needs no hook: it only adds
-reconstructed samples to the training data, so it composes with every method. The hooks: extra_loss(model, x, y,
-logits, state), added to the batch's cross-entropy; after_backward(model, state), which may rewrite the parameters'
-.grad; after_task(model, loader, state), after training on a task, on its real data."""
+"""Continual-learning methods, each a STRATEGIES entry (at the end): hooks that recl.py's training loop calls (their
+contract and `state`: its docstring), hyperparameters, a grid. ReCL needs no hook (it only adds training samples)."""
 import copy
 import math
 
@@ -10,13 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
-TRAINING_GRID = {"lr": [0.01, 0.05, 0.1], "epochs": [10, 20, 40]}  # tools/tune.py searches it besides a method's grid
-
 def defaults(method):  # a method's own hyperparameters at their literature defaults ({} for joint)
     return {k: spec[0] for k, spec in STRATEGIES.get(method, {}).get("hyperparameters", {}).items()}
 
-def check_hyperparameters(method, pairs, error=ValueError):
-    """--hp's (key, value) pairs as {key: value} of each default's type; `error` (one line) at the first bad one."""
+def check_hyperparameters(method, pairs, error=ValueError):  # --hp's pairs as {key: value}; `error` at the first bad
     known, checked = STRATEGIES.get(method, {}).get("hyperparameters", {}), {}
     for key, value in pairs:
         if key not in known:
@@ -38,15 +32,7 @@ def pad_to(tensor, shape):  # zero-pad each dimension at its end up to `shape`: 
 def sample_rows(x, y, n):  # n random rows (all if fewer), drawn from the global RNG
     return x[idx := torch.randperm(len(x), device=x.device)[:n]], y[idx]
 
-def collect(loader):  # a loader's rows: its batches concatenated
-    return tuple(map(torch.cat, zip(*loader)))
-
-def remember(state, x, y, n):  # add n random rows of (x, y) to the episodic memory
-    for key, rows in zip(("memory_x", "memory_y"), sample_rows(x, y, n)):
-        state[key] = torch.cat([state.get(key, rows[:0]), rows])
-
 # --- EWC (Kirkpatrick et al. 2017, Eq. 3): lambda/2 sum_i F_i (theta_i - theta*_i)^2, theta*: the last task's weights
-
 def ewc_after_task(model, loader, state):  # F: the empirical Fisher's diagonal, summed over the tasks so far
     params = {k: v.detach() for k, v in model.named_parameters()}  # a task's F_i: its mean squared per-sample gradient
     grads = vmap(grad(lambda p, xi, yi: F.cross_entropy(functional_call(model, p, xi[None]), yi[None])), (None, 0, 0))
@@ -63,10 +49,11 @@ def ewc_loss(model, x, y, logits, state):  # 0 before the first task's end; rows
     return state["ewc_lambda"] / 2 * sum(penalty)
 
 # --- ER (Chaudhry et al. 2019, "On tiny episodic memories"): each batch adds the cross-entropy of as many memory rows
-
 def er_after_task(model, loader, state):  # the memory keeps er_fraction of each task's real rows (ReCL's App. D.2)
-    x, y = collect(loader)
-    remember(state, x, y, max(1, round(state["er_fraction"] * len(x))))
+    x, y = map(torch.cat, zip(*loader))  # its rows; A-GEM's memory keeps agem_patterns_per_task of them
+    n = max(1, round(state["er_fraction"] * len(x))) if "er_fraction" in state else state["agem_patterns_per_task"]
+    for key, rows in zip(("memory_x", "memory_y"), sample_rows(x, y, n)):
+        state[key] = torch.cat([state.get(key, rows[:0]), rows])
 
 def memory_ce(model, state, n):  # the cross-entropy of n random rows of the episodic memory
     mx, my = sample_rows(state["memory_x"], state["memory_y"], n)
@@ -76,22 +63,16 @@ def er_loss(model, x, y, logits, state):
     return memory_ce(model, state, len(x)) if "memory_x" in state else 0.0
 
 # --- A-GEM (Chaudhry et al. 2019, Eq. 11): if g . g_ref < 0 (g_ref: on memory), step along g - g.g_ref/|g_ref|^2 g_ref
-
-def agem_after_task(model, loader, state):
-    remember(state, *collect(loader), state["agem_patterns_per_task"])
-
 def agem_after_backward(model, state):
     if "memory_x" not in state:
         return
     params = [p for p in model.parameters() if p.grad is not None]
     g_ref = torch.cat([g.flatten() for g in torch.autograd.grad(memory_ce(model, state, state["agem_batch"]), params)])
     g = torch.cat([p.grad.flatten() for p in params])
-    if (dot := g @ g_ref) < 0:  # the step would raise the memory's loss
-        for p, new in zip(params, (g - dot / (g_ref @ g_ref) * g_ref).split([p.numel() for p in params])):
-            p.grad.copy_(new.view_as(p))
+    if (dot := g @ g_ref) < 0:  # the step would raise the memory's loss: the projection goes into the .grad
+        torch.nn.utils.vector_to_parameters(g - dot / (g_ref @ g_ref) * g_ref, [p.grad for p in params])
 
 # --- LwF (Li & Hoiem 2017): distil the previous model's outputs on the current data, lambda T^2 KL at temperature T
-
 def lwf_after_task(model, loader, state):
     state["teacher"] = copy.deepcopy(model).eval().requires_grad_(False)  # frozen: its outputs are targets
 
@@ -103,7 +84,6 @@ def lwf_loss(model, x, y, logits, state):  # CIL: only the outputs the teacher h
                                                   F.log_softmax(old / t, 1), log_target=True, reduction="batchmean")
 
 # --- GPM (Saha et al. 2021, Eq. 6-9): each layer's basis M of its inputs; grad W <- grad W (I - M M^T), W [out, fan_in]
-
 def projected_layers(model):
     return {name: m for name, m in model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))}
 
@@ -119,16 +99,16 @@ def extend_basis(basis, activations, threshold):
     return new if basis is None else torch.cat([basis, new], 1)[:, :activations.shape[0]]
 
 def gpm_after_task(model, loader, state):  # on a random subset, as Saha et al. sample theirs (the loader is by class)
-    bases, layers, inputs, (x, y) = state.setdefault("bases", {}), projected_layers(model), {}, collect(loader)
+    bases, inputs, (x, y) = state.setdefault("bases", {}), {}, map(torch.cat, zip(*loader))
     x = sample_rows(x, y, state["gpm_samples"])[0] if len(x) > state["gpm_samples"] else x
     handles = [layer.register_forward_hook(lambda mod, args, out, key=name: inputs.update({key: args[0].detach()}))
-               for name, layer in layers.items()]
+               for name, layer in projected_layers(model).items()]
     with torch.no_grad():
         model(x)
     for h in handles:
         h.remove()
     for name, r in inputs.items():
-        if isinstance(conv := layers[name], torch.nn.Conv2d):  # its rows: every input patch (im2col)
+        if isinstance(conv := model.get_submodule(name), torch.nn.Conv2d):  # its rows: every input patch (im2col)
             r = F.unfold(r, conv.kernel_size, conv.dilation, conv.padding, conv.stride).transpose(1, 2).flatten(0, 1)
         bases[name] = extend_basis(bases.get(name), r.T, state["gpm_threshold"])
 
@@ -139,7 +119,6 @@ def gpm_after_backward(model, state):  # biases stay free
             g -= (g @ basis) @ basis.T
 
 # --- UPGD (Elsayed & Mahmood 2024), global first-order form: step (grad + weight decay + noise) * (1 - scaled utility)
-
 def upgd_after_backward(model, state):  # utility u = -grad * w: to first order, the loss change if w were set to 0
     beta, utility, state["step"] = state["upgd_beta"], state.setdefault("utility", {}), state.get("step", 0) + 1
     params = [(k, p) for k, p in model.named_parameters() if p.grad is not None]
@@ -151,6 +130,7 @@ def upgd_after_backward(model, state):  # utility u = -grad * w: to first order,
         free = 1 - torch.sigmoid(utility[k] / (1 - beta ** state["step"]) / global_max)
         p.grad = (p.grad + state["upgd_weight_decay"] * p.detach() + torch.randn_like(p) * state["upgd_sigma"]) * free
 
+TRAINING_GRID = {"lr": [0.01, 0.05, 0.1], "epochs": [10, 20, 40]}  # tools/tune.py searches it besides a method's grid
 # Each method's hooks, hyperparameters as (literature default, valid range, its test) and grid for tools/tune.py.
 AT_LEAST_0, POSITIVE = (">= 0", lambda v: v >= 0), ("> 0", lambda v: v > 0)
 FRACTION, BELOW_1 = ("in (0, 1]", lambda v: 0 < v <= 1), ("in [0, 1)", lambda v: 0 <= v < 1)
@@ -163,7 +143,7 @@ STRATEGIES = {
     "upgd": {"hooks": {"after_backward": upgd_after_backward}, "hyperparameters": {"upgd_beta": (0.999, *BELOW_1),
              "upgd_sigma": (0.001, *AT_LEAST_0), "upgd_weight_decay": (0.0, *AT_LEAST_0)},
              "grid": {"upgd_beta": [0.9, 0.99, 0.999], "upgd_sigma": [0.0001, 0.001, 0.01]}},
-    "agem": {"hooks": {"after_backward": agem_after_backward, "after_task": agem_after_task},
+    "agem": {"hooks": {"after_backward": agem_after_backward, "after_task": er_after_task},
              "hyperparameters": {"agem_patterns_per_task": (50, *POSITIVE), "agem_batch": (256, *POSITIVE)},
              "grid": {"agem_patterns_per_task": [25, 50, 100]}},
     "lwf": {"hooks": {"extra_loss": lwf_loss, "after_task": lwf_after_task},
@@ -178,23 +158,21 @@ STRATEGIES = {
 # Each method's lr, epochs and hyperparameters per scenario, chosen on validation (docs/hyperparameters.md): "alone" at
 # its own budget, "recl" what changes at its +ReCL variant's harder one (docs/departures.md); else Config's, defaults().
 TUNED = {"cil": {
-    "finetune": {"alone": {"lr": 0.01, "epochs": 10}, "recl": {"lr": 0.1, "epochs": 20}},
-    "ewc": {"alone": {"lr": 0.01, "epochs": 20, "ewc_lambda": 1000.0}, "recl": {"lr": 0.1, "ewc_lambda": 100.0}},
-    "er": {"alone": {"lr": 0.05, "epochs": 20}, "recl": {"lr": 0.1}},
-    "upgd": {"alone": {"lr": 0.01, "epochs": 10, "upgd_beta": 0.99, "upgd_sigma": 0.001},
-             "recl": {"lr": 0.1, "epochs": 20}},
-    "agem": {"alone": {"lr": 0.05, "epochs": 40, "agem_patterns_per_task": 100}, "recl": {"lr": 0.1, "epochs": 20}},
-    "lwf": {"alone": {"lr": 0.01, "epochs": 20, "lwf_lambda": 0.5, "lwf_temperature": 4.0}, "recl": {"lr": 0.1}},
-    "gpm": {"alone": {"lr": 0.01, "epochs": 20, "gpm_threshold": 0.9}, "recl": {"lr": 0.1}},
-    "joint": {"alone": {"lr": 0.1, "epochs": 80}},
+    "finetune": {"alone": dict(lr=0.01, epochs=10), "recl": dict(lr=0.1, epochs=20)},
+    "ewc": {"alone": dict(lr=0.01, epochs=20, ewc_lambda=1000.0), "recl": dict(lr=0.1, ewc_lambda=100.0)},
+    "er": {"alone": dict(lr=0.05, epochs=20), "recl": dict(lr=0.1)},
+    "upgd": {"alone": dict(lr=0.01, epochs=10, upgd_beta=0.99, upgd_sigma=0.001), "recl": dict(lr=0.1, epochs=20)},
+    "agem": {"alone": dict(lr=0.05, epochs=40, agem_patterns_per_task=100), "recl": dict(lr=0.1, epochs=20)},
+    "lwf": {"alone": dict(lr=0.01, epochs=20, lwf_lambda=0.5, lwf_temperature=4.0), "recl": dict(lr=0.1)},
+    "gpm": {"alone": dict(lr=0.01, epochs=20, gpm_threshold=0.9), "recl": dict(lr=0.1)},
+    "joint": {"alone": dict(lr=0.1, epochs=80)},
 }, "dil": {
-    "finetune": {"alone": {"lr": 0.01, "epochs": 10}, "recl": {"lr": 0.05, "epochs": 20}},
-    "ewc": {"alone": {"lr": 0.01, "epochs": 20, "ewc_lambda": 10000.0}, "recl": {"lr": 0.05, "ewc_lambda": 100.0}},
-    "er": {"alone": {"lr": 0.1, "epochs": 10}, "recl": {"lr": 0.05, "epochs": 20}},
-    "upgd": {"alone": {"lr": 0.01, "epochs": 20, "upgd_beta": 0.99, "upgd_sigma": 0.0001}, "recl": {"lr": 0.1}},
-    "agem": {"alone": {"lr": 0.05, "epochs": 40, "agem_patterns_per_task": 50}, "recl": {"lr": 0.1, "epochs": 20}},
-    "lwf": {"alone": {"lr": 0.05, "epochs": 20, "lwf_lambda": 2.0, "lwf_temperature": 2.0},
-            "recl": {"lwf_lambda": 0.5}},
-    "gpm": {"alone": {"lr": 0.1, "epochs": 20, "gpm_threshold": 0.9}, "recl": {}},
-    "joint": {"alone": {"lr": 0.1, "epochs": 40}},
+    "finetune": {"alone": dict(lr=0.01, epochs=10), "recl": dict(lr=0.05, epochs=20)},
+    "ewc": {"alone": dict(lr=0.01, epochs=20, ewc_lambda=10000.0), "recl": dict(lr=0.05, ewc_lambda=100.0)},
+    "er": {"alone": dict(lr=0.1, epochs=10), "recl": dict(lr=0.05, epochs=20)},
+    "upgd": {"alone": dict(lr=0.01, epochs=20, upgd_beta=0.99, upgd_sigma=0.0001), "recl": dict(lr=0.1)},
+    "agem": {"alone": dict(lr=0.05, epochs=40, agem_patterns_per_task=50), "recl": dict(lr=0.1, epochs=20)},
+    "lwf": {"alone": dict(lr=0.05, epochs=20, lwf_lambda=2.0, lwf_temperature=2.0), "recl": dict(lwf_lambda=0.5)},
+    "gpm": {"alone": dict(lr=0.1, epochs=20, gpm_threshold=0.9), "recl": {}},
+    "joint": {"alone": dict(lr=0.1, epochs=40)},
 }}
