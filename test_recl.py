@@ -445,10 +445,16 @@ def test_a_flag_given_wins_over_every_table_and_every_value_that_depends_on_othe
     flag = [f"--{field.replace('_', '-')}", "7"]
     assert (getattr(resolved(*flags), field), getattr(resolved(*flags, *flag), field)) == (table, 7)
 
-def test_the_method_alone_at_recls_budget_takes_its_recl_runs_lr_epochs_and_hyperparameters():
-    alone, with_recl = resolved("--method", "ewc", "--budget", "recl", variant="base"), resolved("--method", "ewc")
-    assert (alone.lr, alone.epochs, alone.hp, alone.m) == (with_recl.lr, with_recl.epochs, with_recl.hp, None)
-    assert resolved("--method", "ewc", variant="base").lr != alone.lr
+@pytest.mark.parametrize("model, scenario, method", [("mlp", "cil", "ewc"), ("cnn", "cil", "er"),
+                                                    ("cnn", "dil", "gpm"), ("alexnet", "cil", "lwf")])
+def test_the_method_alone_at_recls_budget_trains_as_its_recl_run_without_replay(model, scenario, method):
+    flags = ("--model", model, "--scenario", scenario, "--method", method, "--budget", "recl")
+    alone, arm = resolved(*flags, variant="base"), resolved(*flags)
+    scope = "new" if arm.ce_scope == "local" else arm.ce_scope  # local needs replayed rows
+    assert (alone.lr, alone.epochs, alone.hp, alone.ce_scope, alone.m) == (arm.lr, arm.epochs, arm.hp, scope, None)
+
+def test_the_method_alone_at_its_own_budget_trains_otherwise():
+    assert resolved("--method", "ewc", variant="base").lr != resolved("--method", "ewc", "--budget", "recl").lr
 
 def test_the_header_names_where_each_resolved_value_came_from_in_one_word():
     header = recl.describe(resolved("--model", "cnn", "--method", "ewc", "--lr-x", "0.5"))
