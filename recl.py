@@ -399,8 +399,12 @@ def run_continual(cfg, tasks, log=print, mean_image=None, judge=False, image_pat
     n_outputs = per_task * (len(tasks) if joint and cfg.scenario == "cil" else 1)
     model = models.build_model(cfg.model, tasks[0].x_train.shape[1:], n_outputs).to(cfg.device)
     hooks, state = strategies.STRATEGIES[cfg.method]["hooks"], strategies.new_state(cfg.method, **cfg.hp)
-    stream = [data.Task(None, *(torch.cat([t[i] for t in tasks]) for i in (1, 2)), None, None)] if joint else tasks
-    R, reconstructions, quality, last, diverged = [[None] * len(tasks) for _ in stream], [], [], None, None
+    stream = tasks  # what it trains on, task by task; joint: every task's training images at once
+    if joint:
+        every = lambda field: torch.cat([getattr(t, field) for t in tasks])
+        stream = [data.Task(None, every("x_train"), every("y_train"), None, None)]
+    R = [[None] * len(tasks) for _ in stream]  # R[t][i]: accuracy on task i after training task t
+    reconstructions, quality, last, diverged = [], [], None, None  # last: the previous reconstruction, whole
     memory = []  # the stored controls' kept images and labels, per old task
     for t, task in enumerate(stream):
         x_rec, y_rec = task.x_train[:0], task.y_train[:0]
@@ -958,7 +962,8 @@ def main(argv=None):
             failed.append(f"{name} {cfg.scenario} seed {cfg.seed}: {record['diverged']}; marked so in {path}, "
                           f"never averaged")
             continue
-        bwt, flagged = "n/a" if record["BWT"] is None else f"{record['BWT']:.2f}", record["failed_reconstructions"]
+        bwt = "n/a" if record["BWT"] is None else f"{record['BWT']:.2f}"
+        flagged = record["failed_reconstructions"]
         print(f"{name} {cfg.scenario} seed {cfg.seed}: ACC {record['ACC']:.2f} BWT {bwt} in {record['seconds']:.0f}s"
               + (f", {flagged} of {len(record['reconstructions'])} reconstructions FLAGGED (see the "
                  f"{'JSON' if args.quiet else 'log'})" if flagged else "") + f" -> {path}", flush=True)
