@@ -710,14 +710,14 @@ def resolve(args, seed, variant):
     # the values tuned here, not the paper's: a replay arm's, and the method alone's at +ReCL's budget (--budget recl)
     tuned = (replay and not paper) or (not replay and given.get("budget") == "recl")
     network = NETWORKS[model][scenario] if tuned else {}
-    # the method's tuned lr, epochs and hyperparameters: +ReCL's for a tuned run unless the network (AlexNet) or a flag
-    # says otherwise; its own ("alone") for the method alone and under --paper
-    budget = given.get("budget", network.get("budget", "recl") if tuned else "alone")
+    # which row of the method's TUNED entry (its lr, epochs, hyperparameters): "recl" for a tuned run unless the network
+    # (AlexNet) or --budget says otherwise; its own ("alone") for the method alone and under --paper
+    row = given.get("budget", network.get("budget", "recl") if tuned else "alone")
     own = strategies.TUNED[scenario].get(method, {})  # a method not tuned yet: Config's values
     arm = {**ARMS.get((scenario, method), {}), **ARMS.get((scenario, method, variant), {})}
     sources = {"default": {**DEFAULTS, **strategies.defaults(method), "seed": seed, "variant": variant},
                "network": network,
-               "method": {**own.get("alone", {}), **own.get(budget, {}), **(arm if tuned else {})},
+               "method": {**own.get("alone", {}), **own.get(row, {}), **(arm if tuned else {})},
                "paper": PAPER if paper else {},
                "control": {"inversion": CONTROL, "real": STORED, "centroids": STORED}.get(variant, {}),
                "flag": given}
@@ -743,7 +743,7 @@ def resolve(args, seed, variant):
     if values["rec_optimizer"] == "adam":
         retune("steps", lr_x=1e-3 if model == "resnet18" else 0.01, lr_lambda=0.01)
     # the CNN trains gently in DIL, for every method: Eq. 3 can then read it (networks.md, "The CNN's budget in DIL")
-    if model == "cnn" and scenario == "dil" and tuned and budget == "recl":
+    if model == "cnn" and scenario == "dil" and tuned and row == "recl":
         retune("network", lr=0.01, epochs=40)
     if values["tuning"] in ("unsup", "sup") and values["trials"] is None:
         values["trials"] = 10  # the search's default
