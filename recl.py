@@ -15,38 +15,42 @@ Read top to bottom:
   3. The departures, one function each, numbered as in docs/departures.md; the controls (inversion, stored images).
   4. Judging a reconstruction (SSIM, App. D.5) and Sec. 4.3's search, which runs Step 1 several times.
   5. The command line: a run's values looked up (`resolve`), the checks, `main`.
-A method (EWC, ER, ...) is an entry of strategies.STRATEGIES: its hooks, its hyperparameters as (default, meaning,
-test of a value) and the grid tools/tune.py searches (joint: no hooks). The hooks, called in `train_task` and
-`run_continual`: extra_loss(model, x, y, logits, state) -> a loss added to the batch's; after_backward(model, state),
-which may rewrite .grad; after_task(model, loader, state), on the task's real images. `state` starts as the method's
-hyperparameters (strategies.new_state); its hooks keep it across tasks. A run reads one more table from there:
-TUNED[scenario][method] = {"alone": {lr, epochs, hyperparameters}, "recl": {what +ReCL's budget changes}}, Step 2's
-values only: no method changes a Step 1 value. Networks
-are in models.py, the data and result files in data.py; `python tools/see_eq3_work.py` shows Eq. 3 at work.
+A method (EWC, ER, ...) is an entry of strategies.STRATEGIES (joint: one with no hooks), for example
+  "ewc": {"hooks": {"extra_loss": ewc_loss, "after_task": ewc_after_task},
+          "hyperparameters": {"ewc_lambda": (DEFAULT, MEANING, TEST)}, "grid": {"ewc_lambda": [VALUES]}}
+(TEST: true for a valid value; the grid is what tools/tune.py searches). The hooks, each called where it acts in
+`train_task` and `run_continual`: extra_loss(model, x, y, logits, state) -> a loss added to the batch's;
+after_backward(model, state), which may rewrite .grad; after_task(model, loader, state), on the task's real images.
+`state` starts as the method's hyperparameters (strategies.new_state); its hooks keep it across tasks. A run reads
+one more table from there, TUNED[scenario][method] = {"alone": {lr, epochs, hyperparameters}, "recl": {what +ReCL's
+budget changes}}: Step 2's values only (a test checks that no entry holds a Step 1 value). Networks are in models.py,
+the data and result files in data.py; `python tools/see_eq3_work.py` shows Eq. 3 reading training images back.
 
 Adding a method: its STRATEGIES entry (hyperparameters named unlike Config's fields: `resolve` merges them), its TUNED
 values, an ARMS line if one arm needs its own, a test of its hooks against a direct computation (as EWC's Fisher
 against a per-sample loop); a call in `train_task` or `run_continual` only for a new hook point; its rows in the
 README's tables once run_all.sh has run it. No code lists methods (`--method`, run_all.sh and tools/ read STRATEGIES).
 Adding a departure: a Config field among the replay fields, from `m` (among Step 2's, `lr` to `ce_scope`, if the method
-alone takes it too); its "off" value in PAPER; its value in NETWORKS or CONTROL where a network or inversion differs;
-its name in STORED's kept list if the stored controls (real, centroids) use it;
-its function in part 3 and one `if` line where it acts; where needed, a `retune` line, a refusal in `check`, a range
-in SEARCH_SPACE, a term in `check_tasks`'s memory estimate; a test on a trained net and a docs/departures.md section;
-then rerun the shipped tables (a new field renames every result). Its flag, range check and header entry follow from
-the field; run_all.sh, tools/ and the other tests need no edit.
+alone takes it too); `kind=` if its default is None; its "off" value in PAPER; its value in NETWORKS or CONTROL where
+a network or inversion differs, and its name in STORED's kept list if the stored controls use it; its function in
+part 3 and one `if` line where it acts, reading None as off (the method alone's replay fields are None); where needed
+a `retune` line, a refusal in `check`, a range in SEARCH_SPACE, a term in `check_tasks`'s memory estimate; a test on a
+trained net and a docs/departures.md section; then rerun the shipped tables (a new field renames every result). Its
+flag, range check and header entry follow from the field; run_all.sh, tools/ and the other tests need no edit.
 
-`--paper` (PAPER) switches every departure off and trains at the method's own budget (TUNED's "alone", tuned on
-validation as the paper tunes its baselines, App. D.3); flags given with it still win. Where the paper's text is
-silent it keeps: Phi of a multi-class network as the margin against the best other class, one lambda per candidate,
-lambda_i from U(0, 1), momentum 0.9 in Step 1's SGD, the lowest-loss step kept, Step 1's copy in eval mode, the same
-random start before every task, batch-norm statistics re-estimated after each task (ResNet18), float32, the
-candidates' step size following what Eq. 3 fits (`retune`: lr_x 1 for theta), a fresh SGD and the same seeded shuffle
-for each task's Step 2. Against the
-printed equations, as the paper's reference code (Buzaglo et al. 2023) does: squared hinges in Eq. 4 and 5, weight 5
-on Eq. 4, Eq. 3's sum scaled by 1/n. The rest is the paper's: x_i ~ N(0, sigma_x^2 I), fixed labels, m = n, the smooth
-ReLU's backward, SGD on L_full for n_rec steps, naive tuning (Sec. 4.3), the CIL head grown with its old rows, a bias
-on the first layer only, Step 2 as plain SGD in batches of 64 (App. D); models.py's init, data.py's scaling.
+`--paper` switches every departure off (PAPER), and with them each network's and method's replay values (NETWORKS,
+ARMS), and trains at the method's own budget (TUNED's "alone", tuned on validation as the paper tunes its baselines,
+App. D.3); flags given with it still win. Eq. 3-6's own values (m, n_rec, sigma_x, the step sizes, lambda_min,
+alpha) stay Config's: the paper gives ranges (App. B.3); `--tuning` searches them per task (Sec. 4.3). Where the
+paper's text is silent it keeps: Phi of a multi-class network as the margin against the best other class, one lambda
+per candidate, lambda_i from U(0, 1), momentum 0.9 in Step 1's SGD, the lowest-loss step kept, Step 1's copy in eval
+mode, the same random start before every task, the candidates' step size following what Eq. 3 fits (`retune`: lr_x 1
+for theta), batch-norm statistics re-estimated after each task (ResNet18), float32, and for each task's Step 2 a
+fresh SGD and the same seeded sequence of shuffles (a new order each epoch). Against the printed equations, as the
+reconstruction code of Buzaglo et al. (2023) does: squared hinges in Eq. 4 and 5, weight 5 on Eq. 4, Eq. 3's sum
+scaled by 1/n. The rest is the paper's: x_i ~ N(0, sigma_x^2 I), fixed labels, m = n, the smooth ReLU's backward, SGD
+on L_full for n_rec steps, naive tuning (Sec. 4.3), the CIL head grown with its old rows, a bias on the first layer
+only, Step 2 as plain SGD in batches of 64 (App. D); models.py's init, data.py's scaling.
 """
 import argparse, copy, dataclasses, functools, hashlib, json, math, os, shlex, sys, time
 from pathlib import Path
@@ -167,11 +171,11 @@ ARMS = {("cil", "er"): {"ce_scope": "all"}, ("cil", "gpm"): {"replay_noise": 0.0
 #   L_full   = L_rec + L_lambda + L_prior                                        (Eq. 6)
 #
 # The paper prints Eq. 3 without 1/n, L_lambda = sum_i max(-lambda_i, -lambda_min) and L_prior = sum_{i,k}
-# max(x_ik - 1, -x_ik - 1, 0). As in the reference code (Buzaglo et al. 2023), Eq. 4 and 5 are squared hinges here
-# (smooth), and 1/n makes lambda_min mean the same for any n. The norm runs over every parameter (models.py's MLP:
-# D-1000-1000-C, nn.ReLU modules, a bias on the first layer only). `scale` multiplies L_rec: 1 here; departure 1
-# divides by |theta - theta_0|^2, so L_rec is the share left. Eq. 5's [-1, 1] holds the data: data.py scales pixels
-# to [0, 1] and subtracts the training set's mean image.
+# max(x_ik - 1, -x_ik - 1, 0). As in Buzaglo et al.'s (2023) reconstruction code, Eq. 4 and 5 are squared hinges
+# here (smooth), and 1/n makes lambda_min mean the same for any n. The norm runs over every parameter (models.py's
+# MLP: D-1000-1000-C, every ReLU an nn.ReLU module, a bias on the first layer only). `scale` multiplies L_rec: 1 here;
+# departure 1 divides by |theta - theta_0|^2, so L_rec is the share left. Eq. 5's [-1, 1] holds the data: data.py
+# scales pixels to [0, 1] and subtracts the training set's mean image.
 #
 # Why lambda_min, not just lambda >= 0: lambda_i = 0 is feasible and takes x_i out of the sum, so a few candidates
 # could explain theta and leave the rest as noise. Eq. 4 pushes every lambda_i above lambda_min, so every candidate
@@ -476,7 +480,7 @@ def said(r):
 # numbering (7) is a lever that lost: it has no code. `--paper` switches every one off.
 
 # Departure 1, displacement target (`--rec-target displacement`). Paper: Eq. 3 fits theta. Here: theta - theta_0, what
-# training added, relative to its size (a grown head's new rows count from their own start, models.grow_head). Why:
+# training added, relative to its size (theta_0 of a grown head's new rows: their values when the head grew). Why:
 # Eq. 3 holds after long training; after minutes the random start theta_0 still dominates theta.
 def displacement_target(params, model):
     start = models.start_weights(model)  # models.build_model remembers it

@@ -456,6 +456,11 @@ def test_the_method_alone_at_recls_budget_trains_as_its_recl_run_without_replay(
 def test_the_method_alone_at_its_own_budget_trains_otherwise():
     assert resolved("--method", "ewc", variant="base").lr != resolved("--method", "ewc", "--budget", "recl").lr
 
+def test_a_methods_tuned_values_are_step_2_values_only():
+    rows = [(method, row) for table in strategies.TUNED.values() for method, row_of in table.items()
+            for row in row_of.values()]
+    assert all(set(row) <= {"lr", "epochs", *strategies.defaults(method)} for method, row in rows)
+
 def test_the_header_names_where_each_resolved_value_came_from_in_one_word():
     header = recl.describe(resolved("--model", "cnn", "--method", "ewc", "--lr-x", "0.5"))
     for part in ("| default: batch_size 64,", "| network: ce_scope local, m 20, n_rec 30,",
