@@ -92,8 +92,9 @@ class Config:
     lr: float = setting(0.05, "SGD learning rate", above=0, high=10.0)
     epochs: int = setting(20, "epochs per task", above=0, high=10_000)
     batch_size: int = setting(64, "training batch size", above=0)
-    ce_scope: str = setting("all", "CIL, departure 8, the method alone too: the task's images scored over all classes, "
-                            "its new ones (new), and replay over the old (local)", choices=["all", "new", "local"])
+    ce_scope: str = setting("all", "CIL, departure 8, the method alone too: the task's images scored over all classes "
+                            "(all) or its new ones (new); local: new, and replay over the old",
+                            choices=["all", "new", "local"])
     hp: dict = dataclasses.field(default_factory=dict)  # the method's own hyperparameters (strategies.py), by --hp
     # reconstruction (Step 1) and replay: the replay arm's fields, m to trials (RECL_FIELDS; a new departure's here)
     m: int = setting(None, "candidates per old class (DIL: per class and old task); default: --n-per-class", kind=int,
