@@ -1,13 +1,10 @@
 #!/usr/bin/env bash
 # The full results table: each method alone (base), alone at +ReCL's budget (budget), +ReCL (recl), +inversion,
 # +real old images (real, the ceiling), +class centroids (centroids, the floor), and joint; CIL and DIL; 5 seeds.
-#   bash run_all.sh [recl.py flags]         every run, JOBS at a time; your flags go to every run
-#   QUICK=1 bash run_all.sh                 1 seed, 5 epochs, 20 steps: a smoke test, its numbers mean nothing
-#   VARIANTS=recl bash run_all.sh --m 50    a replay arm's flag needs VARIANTS without base and budget
+#   [KNOB=VALUE ...] bash run_all.sh [recl.py flags, to every run; a replay arm's needs VARIANTS without base, budget]
 # Knobs: DATASETS (mnist; fashion-mnist, cifar10, .pt files), SCENARIOS, METHODS, VARIANTS, SEEDS (5), FIRST_SEED (0),
-# JOBS (1, or one per GPU), DEVICES ("0 1"), RESULTS (results/FLAGS), DATA_ROOT (data), QUICK, DRY_RUN, PYTHON.
-# Every line is checked first (`recl.py --dry-run`); a run is skipped if its JSON (named by its config's digest)
-# exists, so an interrupted run_all resumes. DRY_RUN=1 prints the runs left, for xargs or a cluster (docs/running.md).
+# JOBS (1, or one per GPU), DEVICES ("0 1"), RESULTS (results/FLAGS), DATA_ROOT (data), PYTHON, QUICK=1 (a smoke test:
+# 1 seed, 5 epochs, 20 steps), DRY_RUN=1 (print the runs left; docs/running.md). A run whose JSON exists is skipped.
 set -euo pipefail
 [[ " $* " != *" -h "* && " $* " != *" --help "* ]] || { sed -n '2,/^set -euo/s/^# \{0,1\}//p' "$0"; exit 0; }
 fail() { echo "run_all: error: $*" >&2; exit 2; }
@@ -15,12 +12,11 @@ words() { local name=$1 allowed=$2 w out=(); for w in ${!name}; do  # the knob's
   [[ " $allowed " == *" $w "* || -z $allowed ]] || fail "$name: $w is not one of: $allowed"
   [[ " ${out[*]-} " == *" $w "* ]] || out+=("$w"); done
   [ ${#out[@]} -gt 0 ] || fail "$name is empty"; printf -v "$name" '%s' "${out[*]}"; }  # written back to the knob
-PYTHON=${PYTHON:-python} QUICK=${QUICK:-0} DRY_RUN=${DRY_RUN:-0}
-[[ $QUICK =~ ^[01]$ && $DRY_RUN =~ ^[01]$ ]] || fail "QUICK and DRY_RUN are 0 or 1"
+[[ ${QUICK:=0} =~ ^[01]$ && ${DRY_RUN:=0} =~ ^[01]$ ]] || fail "QUICK and DRY_RUN are 0 or 1"
+PYTHON=${PYTHON:-python} arms="base budget recl inversion real centroids" SCENARIOS=${SCENARIOS-cil dil}
 METHODS=${METHODS-$(cd "$(dirname "$0")" && "$PYTHON" -c 'import strategies; print(*strategies.STRATEGIES)')}
-arms="base budget recl inversion real centroids" SCENARIOS=${SCENARIOS-cil dil} DATASETS=${DATASETS-mnist}
-VARIANTS=${VARIANTS-$arms}; words METHODS ""; words SCENARIOS "cil dil"; words VARIANTS "$arms"; words DATASETS ""
-SEEDS=${SEEDS:-$((QUICK ? 1 : 5))} FIRST_SEED=${FIRST_SEED:-0}
+DATASETS=${DATASETS-mnist} VARIANTS=${VARIANTS-$arms} SEEDS=${SEEDS:-$((QUICK ? 1 : 5))} FIRST_SEED=${FIRST_SEED:-0}
+words METHODS ""; words SCENARIOS "cil dil"; words VARIANTS "$arms"; words DATASETS ""
 [[ $SEEDS =~ ^[1-9][0-9]{0,2}$ && $FIRST_SEED =~ ^[0-9]{1,9}$ ]] || fail "SEEDS is 1-999 and FIRST_SEED a whole number"
 [[ ${DEVICES:-0} =~ ^[0-9\ ]+$ ]] || fail "DEVICES lists GPU numbers, like \"0 1\""
 read -r -a devices <<< "${DEVICES:-}"
@@ -46,13 +42,11 @@ done; done; done; done; done
 [ ${#lines[@]} -gt 0 ] || fail "no run: joint runs only with VARIANTS base"
 cd "$(dirname "$0")" && export PYTHON  # one process checks every line (a refusal names it), keeps those with runs left
 todo=$(printf '%s\n' "${lines[@]}" | "$PYTHON" -c 'import shlex, sys, recl
-def plan():
-    for line in sys.stdin:
-        try:
-            recl.main(shlex.split(line) + ["--dry-run"])
-        except (recl.UsageError, recl.data.DataError) as err:
-            raise recl.UsageError(f"{err} (nothing was run; refused: {line.strip()})")
-recl.run_from_command_line(plan, "run_all")') || exit 2
+for line in sys.stdin:
+    try:
+        recl.main(shlex.split(line) + ["--dry-run"])
+    except (recl.UsageError, recl.data.DataError) as err:
+        sys.exit(f"run_all: error: {err} (nothing was run; refused: {line.strip()})")') || exit 2
 echo "run_all: $(grep -c . <<< "$todo" || true) runs to do in $RESULTS/ with $JOBS job(s)" >&2
 if [ "$DRY_RUN" = 1 ]; then [ -z "$todo" ] || printf '%s\n' "$todo"; exit 0; fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / JOBS > 0 ? $(nproc) / JOBS : 1 ))} DEVICES  # yours wins

@@ -31,11 +31,11 @@ difference = lambda a, b: "" if (d := paired(a, b)) is None else (  # '+1.23 [+0
     "**{}**" if d[1] > 0 or d[2] < 0 else "{}").format(f"{d[0]:+.2f} [{d[1]:+.2f}, {d[2]:+.2f}] {d[3]}/{d[4]}")
 
 def config_tables(records, title):
-    """A row per config, mean (std) over seeds, namesakes told apart by digest, diverged runs listed but not averaged;
-    where there are arms, per method each arm's mean ACC, then +ReCL's paired differences with each other arm."""
+    """A row per config, mean (std) over seeds, diverged runs listed apart; with arms, per method each arm's ACC and
+    +ReCL's paired differences with the others."""
     kept, config = [r for r in records if not r.get("diverged")], lambda r: (run_name(r), r["digest"])
     groups = {c: [r for r in kept if config(r) == c] for c in dict.fromkeys(map(config, kept))}  # in the records' order
-    names, rows = [name for name, _ in groups], []
+    names, rows = [name for name, _ in groups], []  # a name of two configs: told apart by digest, given no arms
     for (name, key), runs in groups.items():
         of = lambda key: [r[key] for r in runs if key in r]
         quality = lambda m: cell([mean(q[m] for q in qs) for qs in of("recon_quality") if m in (qs or [{}])[0]], 3)
@@ -49,8 +49,7 @@ def config_tables(records, title):
         f"{run_name(r)} [{r['digest']}] seed {r['seed']} ({r['diverged']})" for r in records if r.get("diverged")])]
     if not any(r["variant"] != "base" or r["config"].get("budget") for r in records):  # no arms
         return tables
-    runs_of = {n: runs * (names.count(n) == 1) for (n, _), runs in groups.items()}  # none for a name of two configs
-    value = lambda name, key: {r["seed"]: r[key] for r in runs_of.get(name, [])}
+    value = lambda name, key: {r["seed"]: r[key] for r in kept if run_name(r) == name} if names.count(name) == 1 else {}
     vs = lambda m, suffix, key="ACC": difference(value(m + "+recl", key), value(m + suffix, key))  # ReCL − the arm
     methods = sorted({r["method"] for r in records} - {"joint"}, key=method_rank)
     acc = table(["method", *ARMS.values(), "ReCL − inversion (ACC, 95% CI, seeds above)"], [row(m, *(f"{mean(v):.2f}"
@@ -64,10 +63,9 @@ def tuning_table(searches):
     """The setting each validation search (tools/tune.py) chose, ready for strategies.TUNED."""
     best = lambda r: max(r["trials"], key=lambda t: -math.inf if t["val_ACC"] is None else t["val_ACC"])
     order = lambda r: (r["dataset"], r["scenario"], method_rank(r["method"].split("+")[0]))
-    chosen = lambda r: ", ".join(f"{k} {v:g}" for k, v in best(r)["settings"].items())
-    rows = [row(r["dataset"], r["scenario"], r["method"], chosen(r),
-                "all diverged" if best(r)["val_ACC"] is None else f"{best(r)['val_ACC']:.2f}", len(r["trials"]))
-            for r in sorted(searches, key=order)]
+    rows = [row(r["dataset"], r["scenario"], r["method"], ", ".join(f"{k} {v:g}" for k, v in t["settings"].items()),
+                "all diverged" if t["val_ACC"] is None else f"{t['val_ACC']:.2f}", len(r["trials"]))
+            for r, t in [(r, best(r)) for r in sorted(searches, key=order)]]
     return "### Validation searches\n\n" + table(("dataset", "scenario", "method", "chosen (validation)", "val ACC",
                                                    "trials"), rows)
 
@@ -78,13 +76,14 @@ def aggregate(folder, say=lambda message: print(message, file=sys.stderr)):
     records, searches = [], []
     for path in sorted(Path(folder).glob("*.json")):  # any other JSON file is named in one line and skipped
         try:
-            r, why = json.loads(path.read_text()), None
+            r = json.loads(path.read_text())
         except (OSError, ValueError) as err:
-            r, why = None, f"unreadable ({err})"
-        if not why and isinstance(r, dict) and {"trials", "draws"} <= set(r):  # a validation search's record
+            say(f"skipping {path}: unreadable ({err})")
+            continue
+        if isinstance(r, dict) and {"trials", "draws"} <= set(r):  # a validation search's record
             searches.append(r)
-        elif why or (missing := [k for k in RUN_KEYS if k not in r] if isinstance(r, dict) else ["a JSON object"]):
-            say(f"skipping {path}: " + (why or f"not a run record (no {', '.join(missing[:3])})"))
+        elif missing := [k for k in RUN_KEYS if k not in r] if isinstance(r, dict) else ["a JSON object"]:
+            say(f"skipping {path}: not a run record (no {', '.join(missing[:3])})")
         elif bad := [k for k in ("ACC", "BWT") if not r.get("diverged") and not ok(r, k)]:
             say(f"skipping {path}: {bad[0]} is not a number ({r[bad[0]]!r})")
         else:

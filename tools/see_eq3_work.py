@@ -2,9 +2,8 @@
 (Haim et al. 2022, Buzaglo et al. 2023; what it shows, and its numbers: docs/see-eq3-work.md.)"""
 import argparse, copy, sys  # noqa: E401
 from pathlib import Path
-import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules, from any folder
-import data, models, recl  # noqa: E401, E402
+import data, models, recl, torch  # noqa: E401, E402
 HIDDEN, TRAIN_LR = 500, 0.1  # 784-500-500-2: the paper's MLP, narrower than its 1000 for speed; plain gradient descent
 PER_IMAGE, ALPHA, LR_X, RECOVERED = 2, 150.0, 1.0, 0.4  # Haim et al.'s candidates per image and MNIST alpha; lr_x 1
 

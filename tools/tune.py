@@ -16,7 +16,6 @@ def tune():  # a random search without repetition, seeded by --seed; saves every
                          (args.save_images, "--save-images does not apply: tune keeps no run's reconstructions"),
                          (args.draws < 1, f"--draws must be at least 1, got {args.draws}"),
                          (gridded, f"tune chooses {', '.join(gridded)} itself; leave it out"),
-                         (args.validation, "tune always scores on the validation split; --validation does not apply"),
                          (args.seeds is not None, "tune searches on one seed (--seed); --seeds does not apply")]:
         if refused:
             raise recl.UsageError(why)
@@ -26,7 +25,6 @@ def tune():  # a random search without repetition, seeded by --seed; saves every
     recl.check_tasks(tasks, cfg)
     picks = torch.randperm(len(combos), generator=torch.Generator().manual_seed(cfg.seed))[:args.draws].tolist()
     log(f"tuning {name} {cfg.scenario}: {len(picks)} of {len(combos)} settings")
-
     def evaluate(i, chosen):  # the i-th pick's trial
         r = recl.run_continual(dataclasses.replace(cfg, lr=chosen["lr"], epochs=chosen["epochs"], hp={**cfg.hp, **{
             k: v for k, v in chosen.items() if k not in strategies.TRAINING_GRID}}), tasks, lambda *a: None, mean_image)
