@@ -41,12 +41,16 @@ for d in $DATASETS; do [[ $d != *.pt ]] || d=$(realpath -m -- "$d")
 done; done; done; done; done
 [ ${#lines[@]} -gt 0 ] || fail "no run: joint runs only with VARIANTS base"
 cd "$(dirname "$0")" && export PYTHON  # one process checks every line (a refusal names it), keeps those with runs left
-todo=$(printf '%s\n' "${lines[@]}" | "$PYTHON" -c 'import shlex, sys, recl
-for line in sys.stdin:
-    try:
-        recl.main(shlex.split(line) + ["--dry-run"])
-    except (recl.UsageError, recl.data.DataError) as err:
-        sys.exit(f"run_all: error: {err} (nothing was run; refused: {line.strip()})")') || exit 2
+todo=$(printf '%s\n' "${lines[@]}" | "$PYTHON" -c 'import sys
+try:
+    import shlex, recl
+    for line in sys.stdin:
+        try:
+            recl.main(shlex.split(line) + ["--dry-run"])
+        except (recl.UsageError, recl.data.DataError) as err:
+            sys.exit(f"run_all: error: {err} (nothing was run; refused: {line.strip()})")
+except KeyboardInterrupt:
+    sys.exit("run_all: interrupted while checking the runs; nothing was run")') || exit 2
 echo "run_all: $(grep -c . <<< "$todo" || true) runs to do in $RESULTS/ with $JOBS job(s)" >&2
 if [ "$DRY_RUN" = 1 ]; then [ -z "$todo" ] || printf '%s\n' "$todo"; exit 0; fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / JOBS > 0 ? $(nproc) / JOBS : 1 ))} DEVICES  # yours wins
