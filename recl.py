@@ -23,7 +23,7 @@ A method (EWC, ER, ...) is an entry of strategies.STRATEGIES (joint: one with no
 after_backward(model, state), which may rewrite .grad; after_task(model, loader, state), on the task's real images.
 `state` starts as the method's hyperparameters (strategies.new_state); its hooks keep it across tasks. A run reads
 one more table from there, TUNED[scenario][method] = {"alone": {lr, epochs, hyperparameters}, "recl": {what +ReCL's
-budget changes}}: Step 2's values only (a test checks that no entry holds a Step 1 value). Networks are in models.py,
+budget changes}}: Step 2's values only (test_a_methods_tuned_values_are_step_2_values_only). Networks are in models.py,
 the data and result files in data.py; `python tools/see_eq3_work.py` shows Eq. 3 reading training images back.
 
 Adding a method: its STRATEGIES entry (hyperparameters named unlike Config's fields: `resolve` merges them), its TUNED
@@ -378,7 +378,8 @@ def step2(task, x_rec, y_rec, cfg, n_old_classes):
     """Step 2 for a run: the task's images with the reconstructions last, as batches and a loss.
     Returns batches(), the loss, and batches without replay noise (for batch norm's statistics)."""
     x, y, own = torch.cat([task.x_train, x_rec]), torch.cat([task.y_train, y_rec]), len(task.x_train)
-    # the paper: one set, shuffled each epoch (a DataLoader over row numbers, with dummy labels; seeded)
+    # the paper: one set, shuffled each epoch (a DataLoader over row numbers, with dummy labels, and a generator of its
+    # own seeded with the run's seed: a new order each epoch, the same sequence of orders for every task)
     loader = data.loader(torch.arange(len(x), device=x.device), torch.zeros(len(x)), cfg.batch_size, seed=cfg.seed)
     rows = lambda: (r for r, _ in loader)
     if cfg.replay_batch and own < len(x):                                  # departure 9: replay in every batch
@@ -451,7 +452,7 @@ def run_continual(cfg, tasks, log=print, mean_image=None, judge=False, image_pat
             memory.append(stored_images(task, cfg.m, cfg.variant == "centroids", cfg.seed + t))
         tested = tasks if joint else tasks[:t + 1]
         R[t][:len(tested)] = [accuracy(model, old.x_test, old.y_test) for old in tested]
-        log(f"  [{name}] " + ("all tasks at once" if joint else f"task {t + 1}/{len(tasks)} classes {task.classes}")
+        log(f"  [{name}] " + (f"all {len(tasks)} tasks at once" if joint else f"task {t + 1}/{len(tasks)} classes {task.classes}")
             + f": loss {loss:.3f}, acc {' '.join(f'{a:.1f}' for a in R[t][:len(tested)])}")
     if diverged is None and reconstructions and all(r["failed"] for r in reconstructions):
         diverged = "every reconstruction failed (the reconstruction settings; see each one's \"failed\")"
@@ -484,7 +485,7 @@ def said(r):
 # training added, relative to its size (theta_0 of a grown head's new rows: their values when the head grew). Why:
 # Eq. 3 holds after long training; after minutes the random start theta_0 still dominates theta.
 def displacement_target(params, model):
-    start = models.start_weights(model)  # models.build_model remembers it
+    start = models.start_weights(model)  # the copy of the weights models.build_model kept when it made the net
     displacement = {k: params[k] - start[k] for k in params}
     return displacement, 1.0 / sum(v.pow(2).sum() for v in displacement.values()).clamp_min(1e-30)
 
