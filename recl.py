@@ -452,8 +452,8 @@ def run_continual(cfg, tasks, log=print, mean_image=None, judge=False, image_pat
             memory.append(stored_images(task, cfg.m, cfg.variant == "centroids", cfg.seed + t))
         tested = tasks if joint else tasks[:t + 1]
         R[t][:len(tested)] = [accuracy(model, old.x_test, old.y_test) for old in tested]
-        log(f"  [{name}] " + (f"all {len(tasks)} tasks at once" if joint else f"task {t + 1}/{len(tasks)} classes {task.classes}")
-            + f": loss {loss:.3f}, acc {' '.join(f'{a:.1f}' for a in R[t][:len(tested)])}")
+        what = f"all {len(tasks)} tasks at once" if joint else f"task {t + 1}/{len(tasks)} classes {task.classes}"
+        log(f"  [{name}] {what}: loss {loss:.3f}, acc {' '.join(f'{a:.1f}' for a in R[t][:len(tested)])}")
     if diverged is None and reconstructions and all(r["failed"] for r in reconstructions):
         diverged = "every reconstruction failed (the reconstruction settings; see each one's \"failed\")"
     acc = bwt = None
