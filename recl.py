@@ -40,19 +40,19 @@ flag, range check and header entry follow from the field; run_all.sh, tools/ and
 
 `--paper` switches every departure off (PAPER), and with them each network's and method's replay values (NETWORKS,
 ARMS), and trains at the method's own budget (TUNED's "alone", tuned on validation as the paper tunes its baselines,
-App. D.3); flags given with it still win. Eq. 3-6's own values (m, n_rec, sigma_x, the step sizes, lambda_min, alpha)
-stay Config's: the paper gives ranges (App. B.3); `--tuning` searches them per task (Sec. 4.3). Where the paper's text
-is silent it keeps: Phi of a multi-class network as the margin against the best other class (in CIL of the old
-classes: Step 1 runs before the head grows), one lambda per candidate, lambda_i from U(0, 1), nothing clamping lambda,
-momentum 0.9 in Step 1's SGD, the lowest-loss step kept, Step 1's copy in eval mode, the same random start before
-every task, the candidates' step size following what Eq. 3 fits (`retune`: lr_x 1 for theta), batch-norm statistics
-re-estimated after each task (ResNet18), float32, and for each task's Step 2 a fresh SGD and the same seeded sequence
-of shuffles (a new order each epoch), the method's hooks on replayed rows too, a failed reconstruction's lowest-loss
-candidates replayed (and FLAGGED). Against the printed equations, as the reconstruction code of Buzaglo et al. (2023)
-does: squared hinges in Eq. 4 and 5, weight 5 on Eq. 4, Eq. 3's sum scaled by 1/n. The rest is the paper's: x_i ~ N(0,
-sigma_x^2 I), fixed labels, m = n, the smooth ReLU's backward, SGD on L_full for n_rec steps, naive tuning (Sec. 4.3),
-the CIL head grown with its old rows, a bias on the first layer only, Step 2 as plain SGD in batches of 64 (App. D);
-models.py's init, data.py's scaling.
+App. D.3); flags given with it still win. Eq. 3-6's own values (m, n_rec, sigma_x, lr_lambda, lambda_min, alpha; lr_x
+follows the target, below) stay Config's: the paper gives ranges (App. B.3); `--tuning` searches them per task (Sec.
+4.3). Where the paper's text is silent it keeps: Phi of a multi-class network as the margin against the best other
+class (in CIL of the old classes: Step 1 runs before the head grows), one lambda per candidate, lambda_i from U(0, 1),
+nothing clamping lambda, momentum 0.9 in Step 1's SGD, the lowest-loss step kept, Step 1's copy in eval mode, the same
+random start before every task, the candidates' step size following what Eq. 3 fits (`retune`: lr_x 1 for theta),
+batch-norm statistics re-estimated after each task (ResNet18), float32, and for each task's Step 2 a fresh SGD and the
+same seeded sequence of shuffles (a new order each epoch), the method's hooks on replayed rows too, a failed
+reconstruction's lowest-loss candidates replayed (and FLAGGED). Against the printed equations, as the reconstruction
+code of Buzaglo et al. (2023) does: squared hinges in Eq. 4 and 5, weight 5 on Eq. 4, Eq. 3's sum scaled by 1/n. The
+rest is the paper's: x_i ~ N(0, sigma_x^2 I), fixed labels, m = n, the smooth ReLU's backward, SGD on L_full for n_rec
+steps, naive tuning (Sec. 4.3), the CIL head grown with its old rows, a bias on the first layer only, Step 2 as plain
+SGD in batches of 64 (App. D); models.py's init, data.py's scaling.
 """
 import argparse, copy, dataclasses, functools, hashlib, json, math, os, shlex, sys, time
 from pathlib import Path
