@@ -49,11 +49,13 @@ def ewc_loss(model, x, y, logits, state):  # 0 before the first task's end; rows
     return state["ewc_lambda"] / 2 * sum(penalty)
 
 # --- ER (Chaudhry et al. 2019, "On tiny episodic memories"): each batch adds the cross-entropy of as many memory rows
-def er_after_task(model, loader, state):  # the memory keeps er_fraction of each task's real rows (ReCL's App. D.2)
-    x, y = map(torch.cat, zip(*loader))  # its rows; A-GEM's memory keeps agem_patterns_per_task of them
-    n = max(1, round(state["er_fraction"] * len(x))) if "er_fraction" in state else state["agem_patterns_per_task"]
+def remember(state, x, y, n):  # add n random rows of (x, y) to the episodic memory (ER's and A-GEM's)
     for key, rows in zip(("memory_x", "memory_y"), sample_rows(x, y, n)):
         state[key] = torch.cat([state.get(key, rows[:0]), rows])
+
+def er_after_task(model, loader, state):  # the memory keeps er_fraction of each task's real rows (ReCL's App. D.2)
+    x, y = map(torch.cat, zip(*loader))
+    remember(state, x, y, max(1, round(state["er_fraction"] * len(x))))
 
 def memory_ce(model, state, n):  # the cross-entropy of n random rows of the episodic memory
     mx, my = sample_rows(state["memory_x"], state["memory_y"], n)
@@ -63,6 +65,9 @@ def er_loss(model, x, y, logits, state):
     return memory_ce(model, state, len(x)) if "memory_x" in state else 0.0
 
 # --- A-GEM (Chaudhry et al. 2019, Eq. 11): if g . g_ref < 0 (g_ref: on memory), step along g - g.g_ref/|g_ref|^2 g_ref
+def agem_after_task(model, loader, state):  # the memory keeps agem_patterns_per_task of each task's real rows
+    remember(state, *map(torch.cat, zip(*loader)), state["agem_patterns_per_task"])
+
 def agem_after_backward(model, state):
     if "memory_x" not in state:
         return
@@ -143,7 +148,7 @@ STRATEGIES = {
     "upgd": {"hooks": {"after_backward": upgd_after_backward}, "hyperparameters": {"upgd_beta": (0.999, *BELOW_1),
              "upgd_sigma": (0.001, *AT_LEAST_0), "upgd_weight_decay": (0.0, *AT_LEAST_0)},
              "grid": {"upgd_beta": [0.9, 0.99, 0.999], "upgd_sigma": [0.0001, 0.001, 0.01]}},
-    "agem": {"hooks": {"after_backward": agem_after_backward, "after_task": er_after_task},
+    "agem": {"hooks": {"after_backward": agem_after_backward, "after_task": agem_after_task},
              "hyperparameters": {"agem_patterns_per_task": (50, *POSITIVE), "agem_batch": (256, *POSITIVE)},
              "grid": {"agem_patterns_per_task": [25, 50, 100]}},
     "lwf": {"hooks": {"extra_loss": lwf_loss, "after_task": lwf_after_task},
