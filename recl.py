@@ -201,13 +201,16 @@ class SmoothBackwardReLU(torch.autograd.Function):
     """relu(z) forward; backward sigmoid(alpha z), the derivative of the rounded ReLU log(1 + e^(alpha z)) / alpha
     (Haim et al. 2022), in plain operations that autograd differentiates again in Step 1's double backward."""
     generate_vmap_rule = True  # torch.func takes it through vmap
+
     @staticmethod
     def forward(z, alpha):
         return z.clamp_min(0)
+
     @staticmethod
     def setup_context(ctx, inputs, output):
         z, ctx.alpha = inputs
         ctx.save_for_backward(z)
+
     @staticmethod
     def backward(ctx, grad_out):
         return grad_out * torch.sigmoid(ctx.alpha * ctx.saved_tensors[0]), None
@@ -216,6 +219,7 @@ class SmoothReLU(torch.nn.Module):  # the module that stands in for each nn.ReLU
     def __init__(self, alpha):
         super().__init__()
         self.alpha = alpha
+
     def forward(self, z):
         return SmoothBackwardReLU.apply(z, self.alpha)
 
@@ -334,7 +338,9 @@ def acc_and_bwt(R):
     """R[t][i]: test accuracy (percent) on task i after training task t. ACC = mean_i R[T, i] (Eq. 1);
     BWT = mean_{i<T} R[T, i] - R[i, i] (Eq. 2)."""
     T = len(R)
-    return sum(R[-1]) / T, sum(R[-1][i] - R[i][i] for i in range(T - 1)) / (T - 1) if T > 1 else 0.0
+    acc = sum(R[T - 1][i] for i in range(T)) / T
+    bwt = sum(R[T - 1][i] - R[i][i] for i in range(T - 1)) / (T - 1) if T > 1 else 0.0
+    return acc, bwt
 
 @torch.no_grad()
 def accuracy(model, x, y, batch_size=1000):
@@ -459,8 +465,10 @@ def run_continual(cfg, tasks, log=print, mean_image=None, judge=False, image_pat
     if diverged is None and reconstructions and all(r["failed"] for r in reconstructions):
         diverged = "every reconstruction failed (the reconstruction settings; see each one's \"failed\")"
     acc = bwt = None
-    if not diverged:  # joint: one row, each task tested once, no BWT
-        acc, bwt = (sum(R[0]) / len(R[0]), None) if joint else acc_and_bwt(R)
+    if not diverged and joint:  # one row, each task tested once: no BWT
+        acc = sum(R[0]) / len(R[0])
+    elif not diverged:
+        acc, bwt = acc_and_bwt(R)
     held = 0 if last is None else len(last[0].unique(dim=0)) if cfg.variant == "centroids" else len(last[0])
     return {"method": cfg.method, "variant": cfg.variant, "recl": cfg.variant != "base", "scenario": cfg.scenario,
             "seed": cfg.seed, "acc_matrix": R, "ACC": acc, "BWT": bwt, "diverged": diverged,
@@ -488,6 +496,9 @@ def said(r):
 # Eq. 3 holds after long training; after minutes the random start theta_0 still dominates theta.
 def displacement_target(params, model):
     start = models.start_weights(model)  # the copy of the weights models.build_model kept when it made the net
+    if start is None:
+        raise ValueError("the displacement target needs the model's initial weights: "
+                         "build it with models.build_model or call models.remember_start first")
     displacement = {k: params[k] - start[k] for k in params}
     return displacement, 1.0 / sum(v.pow(2).sum() for v in displacement.values()).clamp_min(1e-30)
 
@@ -740,7 +751,8 @@ def resolve(args, seed, variant):
             values[k], set_by[k] = changes[k], source
     if not replay:  # the method alone replays nothing; at +ReCL's budget it trains as that arm, on its own images
         values.update({k: None for k in RECL_FIELDS if k not in given})
-        set_by = {k: source for k, source in set_by.items() if values[k] is not None or k in given}
+        for k in [k for k in set_by if values[k] is None and k not in given]:
+            del set_by[k]  # nor where such a value would have come from
         if values["ce_scope"] == "local":
             values["ce_scope"] = "new"  # local needs replayed rows
     # the candidates' step size follows what they fit and how, under --paper too (departures.md, 1 and 6)
@@ -765,9 +777,10 @@ def resolve(args, seed, variant):
 
 def variants(args):
     """The variants a command runs: the method alone and its replay arm (+ReCL, or what --replay-source names)."""
+    if args.method == "joint":
+        return ["base"]
     arm = SOURCES[args.replay_source or "eq3"]
-    return ["base"] if args.method == "joint" else {None: ["base", arm], "both": ["base", arm], "base": ["base"],
-                                                     "recl": [arm]}[args.variant]
+    return {None: ["base", arm], "both": ["base", arm], "base": ["base"], "recl": [arm]}[args.variant]
 
 class UsageError(Exception):
     """Bad input, printed as one line."""
