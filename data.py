@@ -1,5 +1,5 @@
 """Data for continual learning: datasets as image tensors in memory, split into tasks; and the files a run writes."""
-import functools, gzip, hashlib, importlib, io, json, os, pickle, subprocess, sys, tempfile
+import dataclasses, functools, gzip, hashlib, importlib, io, json, os, pickle, subprocess, sys, tempfile
 from collections import namedtuple
 from pathlib import Path
 
@@ -138,6 +138,25 @@ def validation_split(tasks, fraction=0.2, seed=0):
         split.append(Task(classes, x[order[n_val:]], y[order[n_val:]], x[order[:n_val]], y[order[:n_val]]))
     return split
 
+@functools.lru_cache(maxsize=2)  # the variants of a seed, and run_all's list, load the data once
+def tasks_for(dataset, seed, n_per_class, scenario, classes_per_task, data_root, validation):
+    """make_tasks, with `validation` each task's held-out fifth as its test set; every class of every task checked to
+    have images of both."""
+    tasks, *rest = make_tasks(dataset, seed, n_per_class, scenario, classes_per_task, data_root)
+    tasks = validation_split(tasks, 0.2, seed) if validation else tasks
+    for t, task in enumerate(tasks):
+        for label, c in enumerate(task.classes):
+            own = label if scenario == "dil" else label + t * len(task.classes)
+            for name, y in (("training", task.y_train), ("validation" if validation else "test", task.y_test)):
+                need((y == own).any(), f"{dataset}: class {c} of task {t + 1} has no {name} images" + (
+                    " left: --validation holds out a fifth; give a larger --n-per-class" if validation else ""))
+    return tasks, *rest
+
+def tasks_of(cfg):
+    """A run's tasks (of its validation split with cfg.validation), class order, mean image, classes left out."""
+    return tasks_for(cfg.dataset, cfg.seed, cfg.n_per_class, cfg.scenario, cfg.classes_per_task, cfg.data_root,
+                     cfg.validation)
+
 def loader(x, y, batch_size, shuffle=True, seed=0):  # a seeded generator of its own: a seed repeats the batch order
     dataset, generator = torch.utils.data.TensorDataset(x, y), torch.Generator().manual_seed(seed)
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=generator)
@@ -178,3 +197,20 @@ def write_json_atomically(path, record):
 @functools.cache  # a dataset file is hashed once per process
 def file_sha256(path):
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+def digest(cfg):
+    """Eight hex digits that change with any setting of the run but its seed; a .pt counts by its contents."""
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("seed", "device", "data_root", "set_by")}
+    if cfg.dataset.endswith(".pt") and Path(cfg.dataset).is_file():
+        settings["dataset"] = f"sha256:{file_sha256(cfg.dataset)}"
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
+
+def run_name(cfg, name):
+    """DATASET-SCENARIO-NAME[-TUNING][-validation], NAME the arm's (recl.variant_name)."""
+    dataset = Path(cfg.dataset).stem if cfg.dataset.endswith(".pt") else cfg.dataset
+    return (f"{dataset}-{cfg.scenario}-{name}" + ("" if cfg.tuning in (None, "naive") else f"-{cfg.tuning}")
+            + "-validation" * cfg.validation)
+
+def result_path(out, cfg, name):
+    """out/RUN-DIGEST-seedS.json: one file per config and seed."""
+    return Path(out) / f"{run_name(cfg, name)}-{digest(cfg)}-seed{cfg.seed}.json"

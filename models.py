@@ -86,3 +86,13 @@ def grow_head(model, n_classes):  # widen the output layer to n_classes, keeping
     if hasattr(model, "start"):  # the new rows start where they were initialised
         start = model.start["head.weight"]
         model.start["head.weight"] = torch.cat([start, new.weight[old.out_features:].detach().to(start.device)])
+
+def step1_gib(net, input_shape, n):
+    """About the memory Step 1 fills for n candidates in one pass, in GiB: each candidate and 4 copies of every layer's
+    outputs for it (docs/cost.md)."""
+    sizes = []  # the numbers each layer outputs for one image
+    for layer in (m for m in net.modules() if not list(m.children())):
+        layer.register_forward_hook(lambda m, i, out: sizes.append(out.numel()))
+    with torch.no_grad():
+        net.eval()(torch.zeros(1, *input_shape))
+    return 4 * n * (input_shape.numel() + 4 * sum(sizes)) / 2 ** 30

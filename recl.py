@@ -34,7 +34,7 @@ Adding a departure: a Config field among the replay fields, from `m` (among Step
 alone takes it too); `kind=` if its default is None; its "off" value in PAPER; its value in NETWORKS or CONTROL where
 a network or inversion differs, and its name in STORED's kept list if the stored controls use it; its function in
 part 3 and one `if` line where it acts, reading None as off (the method alone's replay fields are None); where needed
-a `retune` line, a refusal in `check`, a range in SEARCH_SPACE, a term in `check_tasks`'s memory estimate; a test on a
+a `retune` line, a refusal in `check`, a range in SEARCH_SPACE, a term in `models.step1_gib`'s memory estimate; a test on a
 trained net and a docs/departures.md section; then rerun the shipped tables (a new field renames every result). Its
 flag, range check and header entry follow from the field; run_all.sh, tools/ and the other tests need no edit.
 
@@ -54,7 +54,7 @@ rest is the paper's: x_i ~ N(0, sigma_x^2 I), fixed labels, m = n, the smooth Re
 steps, naive tuning (Sec. 4.3), the CIL head grown with its old rows, a bias on the first layer only, Step 2 as plain
 SGD in batches of 64 (App. D); models.py's init, data.py's scaling.
 """
-import argparse, copy, dataclasses, functools, hashlib, json, math, os, shlex, sys, time
+import argparse, copy, dataclasses, math, os, shlex, sys, time
 from pathlib import Path
 
 import torch
@@ -871,64 +871,26 @@ def check(args, probe_out=True):
     if probe_out:
         data.check_writable(args.out)
 
-def check_tasks(tasks, cfg):
-    """Before the first task trains: a network that takes the images, the memory Step 1 will fill (about, in GiB:
-    4 copies of every layer's outputs per candidate in one pass, docs/cost.md), and images for every class."""
+def check_network(tasks, cfg):
+    """Before the first task trains: a network that takes the images, and room for the candidates Step 1 optimises
+    before the last task (about; models.step1_gib). data.tasks_of checked that every class has images."""
     shape = tasks[0].x_train.shape[1:]
     try:
         net = models.build_model(cfg.model, shape, len(tasks[0].classes))
     except ValueError as err:
         raise UsageError(f"--model {cfg.model}: {err}") from None
-    if cfg.variant not in ("base", "real", "centroids"):
-        sizes = []  # the numbers each layer outputs for one image
-        for layer in (m for m in net.modules() if not list(m.children())):
-            layer.register_forward_hook(lambda m, i, out: sizes.append(out.numel()))
-        with torch.no_grad():
-            net.eval()(torch.zeros(1, *shape))
-        n = cfg.m * len(tasks[0].classes) * (len(tasks) - 1)  # candidates before the last task
-        need = 4 * n * (shape.numel() + 4 * sum(sizes)) / 2 ** 30
+    if cfg.variant in ("recl", "inversion"):
+        n = cfg.m * len(tasks[0].classes) * (len(tasks) - 1)
+        need = models.step1_gib(net, shape, n)
         have = (torch.cuda.mem_get_info()[0] if cfg.device == "cuda"
                 else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / 2 ** 30
         if need > have:
             raise UsageError(f"--m {cfg.m}: {n:,} candidates need about {need:,.1f} GiB, more than the {have:,.1f} "
                              f"GiB of {cfg.device} memory")
-    for t, task in enumerate(tasks):
-        for label, c in enumerate(task.classes):
-            own = label if cfg.scenario == "dil" else label + t * len(task.classes)
-            for name, y in (("training", task.y_train), ("validation" if cfg.validation else "test", task.y_test)):
-                if not (y == own).any():
-                    raise UsageError(f"{cfg.dataset}: class {c} of task {t + 1} has no {name} images" + (
-                        " left: --validation holds out a fifth; give a larger --n-per-class" if cfg.validation else ""))
-
-def make_tasks(cfg):
-    """The run's tasks (its validation split with --validation), class order, mean image, classes left out."""
-    return tasks_of(cfg.dataset, cfg.seed, cfg.n_per_class, cfg.scenario, cfg.classes_per_task, cfg.data_root,
-                    cfg.validation)
-
-@functools.lru_cache(maxsize=2)  # the variants of a seed, and run_all's list, load the data once
-def tasks_of(dataset, seed, n_per_class, scenario, classes_per_task, data_root, validation):
-    tasks, *rest = data.make_tasks(dataset, seed, n_per_class, scenario, classes_per_task, data_root)
-    return data.validation_split(tasks, 0.2, seed) if validation else tasks, *rest
-
-def digest(cfg):
-    """Eight hex digits that change with any setting of the run but its seed; a .pt counts by its contents."""
-    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("seed", "device", "data_root", "set_by")}
-    if cfg.dataset.endswith(".pt") and Path(cfg.dataset).is_file():
-        settings["dataset"] = f"sha256:{data.file_sha256(cfg.dataset)}"
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
 
 def variant_name(method, variant, budget=None):
     """finetune, finetune+recl, finetune+inversion, ...; the method alone at +ReCL's budget: finetune@recl-budget."""
     return method + ("@recl-budget" if budget == "recl" else "") if variant == "base" else f"{method}+{variant}"
-
-def run_name(cfg):
-    return (f"{Path(cfg.dataset).stem if cfg.dataset.endswith('.pt') else cfg.dataset}-{cfg.scenario}-"
-            f"{variant_name(cfg.method, cfg.variant, cfg.budget)}" + ("" if cfg.tuning in (None, "naive") else
-                                                                     f"-{cfg.tuning}") + "-validation" * cfg.validation)
-
-def result_path(out, cfg):
-    """out/NAME-DIGEST-seedS.json: one file per config and seed."""
-    return Path(out) / f"{run_name(cfg)}-{digest(cfg)}-seed{cfg.seed}.json"
 
 def describe(cfg):
     """A run's header: what it is, each value it uses under the one word that says where it came from (`resolve`),
@@ -942,7 +904,7 @@ def describe(cfg):
     by = {s: [f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in settings.items()
               if cfg.set_by.get(k, "default") == s]
           for s in ("default", "network", "method", "paper", "control", "steps", "flag")}
-    return text + "".join(f" | {s}: {', '.join(kv)}" for s, kv in by.items() if kv) + f" | config {digest(cfg)}"
+    return text + "".join(f" | {s}: {', '.join(kv)}" for s, kv in by.items() if kv) + f" | config {data.digest(cfg)}"
 
 class RunFailed(Exception):
     """A run diverged: no usable numbers, printed as one line."""
@@ -957,26 +919,28 @@ def main(argv=None):
     runs = [resolve(args, seed, variant) for seed in range(args.seed, args.seed + (args.seeds or 1))
             for variant in variants(args)]
     for cfg in runs:  # every run checked before any task trains
-        tasks, class_order, mean_image, left_out = make_tasks(cfg)
-        check_tasks(tasks, cfg)
+        tasks, class_order, mean_image, left_out = data.tasks_of(cfg)  # checked: every class has images
+        check_network(tasks, cfg)
         if left_out and not args.dry_run:
             print(f"note: seed {cfg.seed} leaves out class(es) {left_out}: they fill no whole task", flush=True)
     if args.dry_run:  # run_all.sh's list (or a cluster's): this command, if a run of it has no result file yet
-        if not all(result_path(args.out, cfg).exists() for cfg in runs):
+        if not all(data.result_path(args.out, cfg, variant_name(cfg.method, cfg.variant, cfg.budget)).exists()
+                   for cfg in runs):
             print(shlex.join([os.environ.get("PYTHON", "python"), "recl.py", *(a for a in argv if a != "--dry-run")]))
         return
     failed = []
     for cfg in runs:
-        name, path = variant_name(cfg.method, cfg.variant, cfg.budget), result_path(args.out, cfg)
+        name = variant_name(cfg.method, cfg.variant, cfg.budget)
+        path = data.result_path(args.out, cfg, name)
         if args.skip_done and path.exists():
             print(f"{name} {cfg.scenario} seed {cfg.seed}: done before, skipped -> {path}", flush=True)
             continue
-        tasks, class_order, mean_image, left_out = make_tasks(cfg)
+        tasks, class_order, mean_image, left_out = data.tasks_of(cfg)
         log(f"{describe(cfg)} | class order {class_order}")
         record = run_continual(cfg, tasks, log, mean_image, judge=True, image_path=path if args.save_images else None)
         pt = cfg.dataset.endswith(".pt")
         record.update(dataset=Path(cfg.dataset).stem if pt else cfg.dataset, class_order=class_order,
-                      classes_left_out=left_out, config=dataclasses.asdict(cfg), digest=digest(cfg),
+                      classes_left_out=left_out, config=dataclasses.asdict(cfg), digest=data.digest(cfg),
                       provenance=data.provenance(), **({"dataset_sha256": data.file_sha256(cfg.dataset)} if pt else {}))
         data.write_json_atomically(path, record)  # to a temporary name, then renamed: never half a file
         if record["diverged"]:

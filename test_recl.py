@@ -476,11 +476,12 @@ REFUSED = [  # each refused by recl.UsageError in one line that names the line's
     "--scenario dil --ce-scope new", "--data-root x", *["--device cuda"] * (not torch.cuda.is_available()),
     "--m 0", "--lr nan", "--lr 1e9", "--replay-noise -1", "--lambda-min 1e30", "--sigma-x 1e30",  # ranges
     "--replay-noise 1e30", "--alpha 1e30", "--ce-weight 1e30",
-    "--ou x", "--hp foo=1", "--n-per-class 1 --validation"]  # parser, method, tasks
+    "--ou x", "--hp foo=1"]  # parser, method
 last_flag = lambda line: [w for w in shlex.split(line) if w.startswith("--")][-1]
 
 @pytest.mark.parametrize("line, error, names", [(line, recl.UsageError, last_flag(line)) for line in REFUSED] + [
-    ("--n-per-class all", data.DataError, "mnist"), ("--dataset BAD.pt --n-per-class 4", data.DataError, "BAD.pt")])
+    ("--n-per-class all", data.DataError, "mnist"), ("--n-per-class 1 --validation", data.DataError, "--validation"),
+    ("--dataset BAD.pt --n-per-class 4", data.DataError, "BAD.pt")])
 def test_bad_input_is_refused_in_one_line_before_anything_is_written(line, error, names, tmp_path, monkeypatch):
     (tmp_path / "BAD.pt").write_bytes(b"not a torch file")
     monkeypatch.setattr(recl, "run_continual", lambda *a, **k: pytest.fail("it trained"))
@@ -500,7 +501,8 @@ def test_main_writes_one_json_per_run_named_by_its_config_and_skip_done_skips_it
     recl.main(argv)
     cfgs = [resolved(*argv, variant=v) for v in ("base", "recl")]
     written = {p.name: json.loads(p.read_text())["digest"] for p in tmp_path.iterdir()}
-    assert written == {recl.result_path(tmp_path, c).name: recl.digest(c) for c in cfgs}
+    assert written == {data.result_path(tmp_path, c, recl.variant_name(c.method, c.variant, c.budget)).name: data.digest(c)
+                       for c in cfgs}
     monkeypatch.setattr(recl, "run_continual", lambda *a, **k: pytest.fail("it ran again"))
     recl.main(argv + ["--skip-done"])
 
@@ -511,7 +513,8 @@ def test_a_dry_run_prints_its_command_only_while_a_run_of_it_is_left(tmp_path, m
         recl.main(argv + ["--dry-run"])
         printed.append(capsys.readouterr().out)
         if variant:
-            data.write_json_atomically(recl.result_path(tmp_path, resolved(*argv, variant=variant)), {})
+            cfg = resolved(*argv, variant=variant)
+            data.write_json_atomically(data.result_path(tmp_path, cfg, recl.variant_name(cfg.method, variant, cfg.budget)), {})
     assert printed == [shlex.join(["py", "recl.py", *argv]) + "\n"] * 2 + [""]
 
 def test_a_pt_dataset_counts_by_its_contents_so_a_copy_is_the_same_run(tmp_path):
@@ -519,7 +522,7 @@ def test_a_pt_dataset_counts_by_its_contents_so_a_copy_is_the_same_run(tmp_path)
     for name, images in (("a.pt", x), ("other.pt", 255 - x)):
         torch.save({"x_train": images, "y_train": y, "x_test": images, "y_test": y}, tmp_path / name)
     shutil.copy(tmp_path / "a.pt", tmp_path / "copy.pt")
-    digest = lambda name: recl.digest(resolved("--dataset", str(tmp_path / name)))
+    digest = lambda name: data.digest(resolved("--dataset", str(tmp_path / name)))
     assert digest("a.pt") == digest("copy.pt") != digest("other.pt")
 
 
@@ -578,12 +581,9 @@ def test_the_readmes_gpm_values_are_the_tables():
     assert f"gpm_samples {strategies.defaults('gpm')['gpm_samples']} is GPM's default" in text
 
 def test_eq3_gives_back_the_training_images_not_unseen_images_of_the_same_digits():
-    # tools/see_eq3_work.py made small (about 2 s): 10 MNIST images, one of each digit, even against odd; 300 steps of
-    # full-batch training, 150 of Eq. 3-6. Each image's SSIM with its nearest candidate (App. D.5), for the 10 training
-    # images the network saw and for 20 held-out images of the same classes it never saw (control (b)'s look-alikes):
-    # candidates that are the training images pass; noise or class averages fit both alike and fail. Seed 0: 0.47 (60%
-    # above 0.4) against 0.19 (0%); the untrained network's candidates 0.14 against 0.12, Eq. 3's target set to zero
-    # or no read-out steps 0.10 against 0.10, each class's mean image as candidates 0.21 against 0.13.
+    # tools/see_eq3_work.py made small: 10 MNIST images, one of each digit, even against odd. Each image's SSIM with
+    # its nearest candidate (App. D.5), for the training images and for held-out images of the same classes: candidates
+    # that are the training images pass; noise or class averages fit both alike and fail (docs/see-eq3-work.md).
     r = see_eq3_work.demonstrate(per_digit=1, train_steps=300, rec_steps=150, seed=0, log=QUIET)
     seen = r["trained"]
     unseen = recl.reconstruction_quality(r["held_out"]["candidates"], seen["candidates"], r["mean_image"])[0]
