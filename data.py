@@ -139,7 +139,7 @@ def validation_split(tasks, fraction=0.2, seed=0):
     return split
 
 @functools.lru_cache(maxsize=2)  # the variants of a seed, and run_all's list, load the data once
-def tasks_for(dataset, seed, n_per_class, scenario, classes_per_task, data_root, validation):
+def load_tasks(dataset, seed, n_per_class, scenario, classes_per_task, data_root, validation):
     """make_tasks, with `validation` each task's held-out fifth as its test set; every class of every task checked to
     have images of both."""
     tasks, *rest = make_tasks(dataset, seed, n_per_class, scenario, classes_per_task, data_root)
@@ -154,8 +154,8 @@ def tasks_for(dataset, seed, n_per_class, scenario, classes_per_task, data_root,
 
 def tasks_of(cfg):
     """A run's tasks (of its validation split with cfg.validation), class order, mean image, classes left out."""
-    return tasks_for(cfg.dataset, cfg.seed, cfg.n_per_class, cfg.scenario, cfg.classes_per_task, cfg.data_root,
-                     cfg.validation)
+    return load_tasks(cfg.dataset, cfg.seed, cfg.n_per_class, cfg.scenario, cfg.classes_per_task, cfg.data_root,
+                      cfg.validation)
 
 def loader(x, y, batch_size, shuffle=True, seed=0):  # a seeded generator of its own: a seed repeats the batch order
     dataset, generator = torch.utils.data.TensorDataset(x, y), torch.Generator().manual_seed(seed)
