@@ -21,38 +21,39 @@ A method (EWC, ER, ...) is an entry of strategies.STRATEGIES (joint: one with no
 (TEST: true for a valid value; the grid is what tools/tune.py searches). The hooks, each called where it acts in
 `train_task` and `run_continual`: extra_loss(model, x, y, logits, state) -> a loss added to the batch's;
 after_backward(model, state), which may rewrite .grad; after_task(model, loader, state), on the task's real images.
-`state` starts as the method's hyperparameters (strategies.new_state); its hooks keep it across tasks. A run reads
-one more table from there, TUNED[scenario][method] = {"alone": {lr, epochs, hyperparameters}, "recl": {what +ReCL's
-budget changes}}: Step 2's values only (test_a_methods_tuned_values_are_step_2_values_only). Networks are in models.py,
-the data and result files in data.py; `python tools/see_eq3_work.py` shows Eq. 3 reading training images back.
+`state` starts as the method's hyperparameters (strategies.new_state); its hooks keep it across tasks. A run reads one
+more table from there, TUNED[scenario][method] = {"alone": {lr, epochs, hyperparameters}, "recl": {what +ReCL's budget
+changes}}: those three only, never ce_scope (test_a_methods_tuned_values_are_step_2_values_only). Networks are in
+models.py, the data and result files in data.py; tools/see_eq3_work.py shows Eq. 3 reading training images back.
 
 Adding a method: its STRATEGIES entry (hyperparameters named unlike Config's fields: `resolve` merges them), its TUNED
-values, an ARMS line if one arm needs its own, a test of its hooks against a direct computation (as EWC's Fisher
-against a per-sample loop); a call in `train_task` or `run_continual` only for a new hook point; its rows in the
-README's tables once run_all.sh has run it. No code lists methods (`--method`, run_all.sh and tools/ read STRATEGIES).
-Adding a departure: a Config field among the replay fields, from `m` (among Step 2's, `lr` to `ce_scope`, if the method
-alone takes it too); `kind=` if its default is None; its "off" value in PAPER; its value in NETWORKS or CONTROL where
-a network or inversion differs, and its name in STORED's kept list if the stored controls use it; its function in
-part 3 and one `if` line where it acts, reading None as off (the method alone's replay fields are None); where needed
-a `retune` line, a refusal in `check`, a range in SEARCH_SPACE, a term in `models.step1_gib`'s memory estimate; a test on a
-trained net and a docs/departures.md section; then rerun the shipped tables (a new field renames every result). Its
+values, an ARMS line if one arm needs its own, a test of its hooks against a direct computation (as EWC's Fisher against
+a per-sample loop); a call in `train_task` or `run_continual` only for a new hook point; its rows in the README's tables
+once run_all.sh has run it. No code lists methods (`--method`, run_all.sh and tools/ read STRATEGIES). Adding a
+departure: a Config field among the replay fields, from `m` (among Step 2's, `lr` to `ce_scope`, if the method alone
+takes it too); `kind=` if its default is None; its "off" value in PAPER; its value in NETWORKS or CONTROL where a
+network or inversion differs, and its name in STORED's kept list if the stored controls use it; its function in part 3
+and one `if` line where it acts, reading None as off (the method alone's replay fields are None); where needed a
+`retune` line, a refusal in `check`, a range in SEARCH_SPACE, a term in `models.step1_gib`'s memory estimate; a test on
+a trained net and a docs/departures.md section; then rerun the shipped tables (a new field renames every result). Its
 flag, range check and header entry follow from the field; run_all.sh, tools/ and the other tests need no edit.
 
 `--paper` switches every departure off (PAPER), and with them each network's and method's replay values (NETWORKS,
 ARMS), and trains at the method's own budget (TUNED's "alone", tuned on validation as the paper tunes its baselines,
-App. D.3); flags given with it still win. Eq. 3-6's own values (m, n_rec, sigma_x, lr_lambda, lambda_min, alpha; lr_x
-follows the target, below) stay Config's: the paper gives ranges (App. B.3); `--tuning` searches them per task (Sec.
-4.3). Where the paper's text is silent it keeps: Phi of a multi-class network as the margin against the best other
-class (in CIL of the old classes: Step 1 runs before the head grows), one lambda per candidate, lambda_i from U(0, 1),
-nothing clamping lambda, momentum 0.9 in Step 1's SGD, the lowest-loss step kept, Step 1's copy in eval mode, the same
-random start before every task, the candidates' step size following what Eq. 3 fits (`retune`: lr_x 1 for theta),
-batch-norm statistics re-estimated after each task (ResNet18), float32, and for each task's Step 2 a fresh SGD and the
-same seeded sequence of shuffles (a new order each epoch), the method's hooks on replayed rows too, a failed
-reconstruction's lowest-loss candidates replayed (and FLAGGED). Against the printed equations, as the reconstruction
-code of Buzaglo et al. (2023) does: squared hinges in Eq. 4 and 5, weight 5 on Eq. 4, Eq. 3's sum scaled by 1/n. The
-rest is the paper's: x_i ~ N(0, sigma_x^2 I), fixed labels, m = n, the smooth ReLU's backward, SGD on L_full for n_rec
-steps, naive tuning (Sec. 4.3), the CIL head grown with its old rows, a bias on the first layer only, Step 2 as plain
-SGD in batches of 64 (App. D); models.py's init, data.py's scaling.
+App. D.3); flags given with it still win. It acts on the replay arm: the method alone is the same run with it or
+without. Eq. 3-6's own values (m, n_rec, sigma_x, lr_lambda, lambda_min, alpha; lr_x follows the target, below) stay
+Config's: the paper gives ranges (App. B.3); `--tuning` searches them per task (Sec. 4.3). Where the paper's text is
+silent it keeps: Phi of a multi-class network as the margin against the best other class (in CIL of the old classes:
+Step 1 runs before the head grows), one lambda per candidate, lambda_i from U(0, 1), nothing clamping lambda, momentum
+0.9 in Step 1's SGD, the lowest-loss step kept, Step 1's copy in eval mode, the same random start before every task, the
+candidates' step size following what Eq. 3 fits (`retune`: lr_x 1 for theta), batch-norm statistics re-estimated after
+each task (ResNet18), float32, and for each task's Step 2 a fresh SGD and the same seeded sequence of shuffles (a new
+order each epoch), the method's hooks on replayed rows too, a failed reconstruction's lowest-loss candidates replayed
+(and FLAGGED). Against the printed equations, as the reconstruction code of Buzaglo et al. (2023) does: squared hinges
+in Eq. 4 and 5, weight 5 on Eq. 4, Eq. 3's sum scaled by 1/n. The rest is the paper's: x_i ~ N(0, sigma_x^2 I), fixed
+labels, m = n, the smooth ReLU's backward, SGD on L_full for n_rec steps, naive tuning (Sec. 4.3), the CIL head grown
+with its old rows, a bias on the first layer only, Step 2 as plain SGD in batches of 64 (App. D); models.py's init,
+data.py's scaling.
 """
 import argparse, copy, dataclasses, math, os, shlex, sys, time
 from pathlib import Path
@@ -149,7 +150,8 @@ NETWORKS = {"mlp": {"cil": {}, "dil": {"ce_weight": 0.0}},
 NETWORKS["alexnet"] = {scenario: {**values, "budget": "alone"} for scenario, values in NETWORKS["cnn"].items()}
 # A method's values on its replay arms, by (scenario, method) for every arm, (scenario, method, arm) for one; not under
 # --paper. GPM replays without noise: it learns only outside the old tasks' input space, where noise trains what real
-# images never use; its CIL centroids keep it (docs/evidence.md). ER scores all classes: real images teach old vs new.
+# images never use; its CIL centroids keep it (docs/evidence.md). ER scores all classes, over the CNN's "local": its
+# real images teach old vs new.
 ARMS = {("cil", "er"): {"ce_scope": "all"}, ("cil", "gpm"): {"replay_noise": 0.0},
         ("dil", "gpm"): {"replay_noise": 0.0}, ("cil", "gpm", "centroids"): {"replay_noise": 2.5}}
 
@@ -712,10 +714,10 @@ def search_reconstruction(model, old_tasks, cfg, last=None, log=print, mean_imag
 # ==== 5. The command line: a run's values, the checks, main ==========================================================
 
 def resolve(args, seed, variant):
-    """One run's Config from the command line's `args` (None: not given), looked up in a fixed order, each source over
-    those before: Config's defaults, the network's (NETWORKS), the method's at the run's budget (strategies.TUNED, then
-    ARMS), --paper's (PAPER), the control's (CONTROL, STORED), the flags given. Then the values that depend on others,
-    each a named `retune` line that never overrides a flag."""
+    """One run's Config from the command line's `args` (None: not given; args.hp a dict, `check`), looked up in a fixed
+    order, each source over those before: Config's defaults, the network's (NETWORKS), the method's at the run's budget
+    (strategies.TUNED, then ARMS), --paper's (PAPER), the control's (CONTROL, STORED), the flags given. Then the values
+    that depend on others, each a named `retune` line that never overrides a flag."""
     method, scenario, model, replay = args.method, args.scenario, args.model, variant != "base"
     # the flags given, but those of the replay arm for the method alone (which takes only --budget of them)
     given = {k: v for k, v in vars(args).items() if v is not None and k in FIELDS and k not in ("seed", "variant", "hp")
