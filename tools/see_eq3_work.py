@@ -7,7 +7,7 @@ import data, models, recl, torch  # noqa: E401, E402
 HIDDEN, TRAIN_LR = 500, 0.1  # 784-500-500-2: the paper's MLP, narrower than its 1000 for speed; plain gradient descent
 PER_IMAGE, ALPHA, LR_X, RECOVERED = 2, 150.0, 1.0, 0.4  # Haim et al.'s candidates per image and MNIST alpha; lr_x 1
 
-def demonstrate(per_digit=2, train_steps=4000, rec_steps=3000, seed=0, log=print, weight_decay=0.0):
+def demonstrate(per_digit=2, train_steps=4000, rec_steps=3000, seed=0, log=print):
     """Steps 1-4; per candidate set (trained, untrained, held_out) its SSIM scores; and x and mean_image."""
     torch.manual_seed(seed)
     # 1. per_digit MNIST images of each digit, even (class 0) against odd (1): two classes, one lambda per image (Eq. 9)
@@ -18,8 +18,7 @@ def demonstrate(per_digit=2, train_steps=4000, rec_steps=3000, seed=0, log=print
     log(f"{len(x)} training images ({per_digit} of each digit; class 0 even, class 1 odd), {n} candidates")
     # 2. Full-batch gradient descent until the loss is tiny: theta nears App. B.2's KKT point, Eq. 9-10 (Lyu & Li 2020)
     model = models.MLP(x[0].numel(), 2, hidden=HIDDEN)  # fc1 and its bias (the only one) ~ N(0, 1e-4^2): small
-    untrained, optimizer = copy.deepcopy(model), torch.optim.SGD(model.parameters(), lr=TRAIN_LR,
-                                                                 weight_decay=weight_decay)
+    untrained, optimizer = copy.deepcopy(model), torch.optim.SGD(model.parameters(), lr=TRAIN_LR)
     log(f"training {x[0].numel()}-{HIDDEN}-{HIDDEN}-2 by full-batch gradient descent, lr {TRAIN_LR}:")
     for step in range(train_steps + 1):  # the last pass only reports
         loss = torch.nn.functional.cross_entropy(model(x), y)
