@@ -269,16 +269,17 @@ def candidate_labels(n_outputs, m, n_old_tasks, scenario):
     return torch.arange(n_outputs).repeat_interleave(m * (1 if scenario == "cil" else n_old_tasks))
 
 def random_start(n, input_shape, sigma_x, seed):
-    """x_i ~ N(0, sigma_x^2 I) (Sec. 4.1) and lambda_i ~ U(0, 1), the same draw for a seed: before every task x's slot
-    i starts from the same noise (lambda's draw follows all of x's, so it moves with n; with departure 2 the earlier
-    classes' slots are then overwritten)."""
+    """x_i ~ N(0, sigma_x^2 I) (Sec. 4.1), then lambda_i ~ U(0, 1), from one generator seeded by `seed`: before every
+    task candidate i starts from the same x_i whatever n, but not the same lambda_i (drawn after all n candidates).
+    With departure 2 the earlier classes' slots are then overwritten."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(n, *input_shape, generator=gen) * sigma_x, torch.rand(n, generator=gen)
 
 def reconstruct(L_full, x, lam, optimizers, steps, log=print):
     """Step 1 (Sec. 4.1): `steps` steps of the optimisers on L_full(x, lam) (Eq. 6), in place. Returns the candidates
     and lambdas of the lowest loss seen, and a report: the loss at the start, kept and last, and why the
-    reconstruction failed, if it did (it diverged, or no step lowered the loss)."""
+    reconstruction failed, if it did: it diverged (a non-finite loss, or a last step above the start, even if a lower
+    loss was kept on the way), or no step lowered the loss. A failed one's kept candidates are still replayed."""
     losses, best = [], None
     for step in range(steps + 1):  # the last pass only scores the last step
         with torch.set_grad_enabled(step < steps):
