@@ -205,12 +205,16 @@ def digest(cfg):
         settings["dataset"] = f"sha256:{file_sha256(cfg.dataset)}"
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
 
-def run_name(cfg, name):
-    """DATASET-SCENARIO-NAME[-TUNING][-validation], NAME the arm's (recl.variant_name)."""
-    dataset = Path(cfg.dataset).stem if cfg.dataset.endswith(".pt") else cfg.dataset
-    return (f"{dataset}-{cfg.scenario}-{name}" + ("" if cfg.tuning in (None, "naive") else f"-{cfg.tuning}")
-            + "-validation" * cfg.validation)
+def variant_name(method, variant, budget=None):
+    """finetune, finetune+recl, finetune+inversion, ...; the method alone at +ReCL's budget: finetune@recl-budget."""
+    return method + ("@recl-budget" if budget == "recl" else "") if variant == "base" else f"{method}+{variant}"
 
-def result_path(out, cfg, name):
+def run_name(cfg):
+    """DATASET-SCENARIO-ARM[-TUNING][-validation]."""
+    dataset = Path(cfg.dataset).stem if cfg.dataset.endswith(".pt") else cfg.dataset
+    return (f"{dataset}-{cfg.scenario}-{variant_name(cfg.method, cfg.variant, cfg.budget)}"
+            + ("" if cfg.tuning in (None, "naive") else f"-{cfg.tuning}") + "-validation" * cfg.validation)
+
+def result_path(out, cfg):
     """out/RUN-DIGEST-seedS.json: one file per config and seed."""
-    return Path(out) / f"{run_name(cfg, name)}-{digest(cfg)}-seed{cfg.seed}.json"
+    return Path(out) / f"{run_name(cfg)}-{digest(cfg)}-seed{cfg.seed}.json"

@@ -412,7 +412,7 @@ def run_continual(cfg, tasks, log=print, mean_image=None, judge=False, image_pat
     started, joint = time.time(), cfg.method == "joint"
     torch.manual_seed(cfg.seed)  # the same init and shuffles for every variant
     tasks = [data.Task(t.classes, *(v.to(cfg.device) for v in t[1:])) for t in tasks]
-    per_task, name = len(tasks[0].classes), variant_name(cfg.method, cfg.variant, cfg.budget)
+    per_task, name = len(tasks[0].classes), data.variant_name(cfg.method, cfg.variant, cfg.budget)
     n_outputs = per_task * (len(tasks) if joint and cfg.scenario == "cil" else 1)
     model = models.build_model(cfg.model, tasks[0].x_train.shape[1:], n_outputs).to(cfg.device)
     hooks, state = strategies.STRATEGIES[cfg.method]["hooks"], strategies.new_state(cfg.method, **cfg.hp)
@@ -891,14 +891,10 @@ def check_network(tasks, cfg):
             raise UsageError(f"--m {cfg.m}: {n:,} candidates need about {need:,.1f} GiB, more than the {have:,.1f} "
                              f"GiB of {cfg.device} memory")
 
-def variant_name(method, variant, budget=None):
-    """finetune, finetune+recl, finetune+inversion, ...; the method alone at +ReCL's budget: finetune@recl-budget."""
-    return method + ("@recl-budget" if budget == "recl" else "") if variant == "base" else f"{method}+{variant}"
-
 def describe(cfg):
     """A run's header: what it is, each value it uses under the one word that says where it came from (`resolve`),
     and the digest that names its file."""
-    text = (f"{variant_name(cfg.method, cfg.variant, cfg.budget)} | {cfg.scenario} | {cfg.dataset}"
+    text = (f"{data.variant_name(cfg.method, cfg.variant, cfg.budget)} | {cfg.scenario} | {cfg.dataset}"
             f"{' (validation split)' if cfg.validation else ''} | {cfg.model} | seed {cfg.seed} | {cfg.device} | "
             f"{cfg.n_per_class or 'all'} per class, {cfg.classes_per_task} per task")
     training = FIELDS[FIELDS.index("lr"):FIELDS.index("hp")]  # Step 2's fields, lr to ce_scope
@@ -927,14 +923,12 @@ def main(argv=None):
         if left_out and not args.dry_run:
             print(f"note: seed {cfg.seed} leaves out class(es) {left_out}: they fill no whole task", flush=True)
     if args.dry_run:  # run_all.sh's list (or a cluster's): this command, if a run of it has no result file yet
-        if not all(data.result_path(args.out, cfg, variant_name(cfg.method, cfg.variant, cfg.budget)).exists()
-                   for cfg in runs):
+        if not all(data.result_path(args.out, cfg).exists() for cfg in runs):
             print(shlex.join([os.environ.get("PYTHON", "python"), "recl.py", *(a for a in argv if a != "--dry-run")]))
         return
     failed = []
     for cfg in runs:
-        name = variant_name(cfg.method, cfg.variant, cfg.budget)
-        path = data.result_path(args.out, cfg, name)
+        name, path = data.variant_name(cfg.method, cfg.variant, cfg.budget), data.result_path(args.out, cfg)
         if args.skip_done and path.exists():
             print(f"{name} {cfg.scenario} seed {cfg.seed}: done before, skipped -> {path}", flush=True)
             continue

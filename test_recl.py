@@ -501,8 +501,7 @@ def test_main_writes_one_json_per_run_named_by_its_config_and_skip_done_skips_it
     recl.main(argv)
     cfgs = [resolved(*argv, variant=v) for v in ("base", "recl")]
     written = {p.name: json.loads(p.read_text())["digest"] for p in tmp_path.iterdir()}
-    assert written == {data.result_path(tmp_path, c, recl.variant_name(c.method, c.variant, c.budget)).name: data.digest(c)
-                       for c in cfgs}
+    assert written == {data.result_path(tmp_path, c).name: data.digest(c) for c in cfgs}
     monkeypatch.setattr(recl, "run_continual", lambda *a, **k: pytest.fail("it ran again"))
     recl.main(argv + ["--skip-done"])
 
@@ -513,8 +512,7 @@ def test_a_dry_run_prints_its_command_only_while_a_run_of_it_is_left(tmp_path, m
         recl.main(argv + ["--dry-run"])
         printed.append(capsys.readouterr().out)
         if variant:
-            cfg = resolved(*argv, variant=variant)
-            data.write_json_atomically(data.result_path(tmp_path, cfg, recl.variant_name(cfg.method, variant, cfg.budget)), {})
+            data.write_json_atomically(data.result_path(tmp_path, resolved(*argv, variant=variant)), {})
     assert printed == [shlex.join(["py", "recl.py", *argv]) + "\n"] * 2 + [""]
 
 def test_a_pt_dataset_counts_by_its_contents_so_a_copy_is_the_same_run(tmp_path):

@@ -4,7 +4,7 @@ import json, math, sys  # noqa: E401
 from pathlib import Path
 from statistics import mean, stdev
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules, from any folder
-import recl  # noqa: E402
+import data, recl  # noqa: E401, E402
 
 RUN_KEYS = ("method", "variant", "scenario", "dataset", "seed", "ACC", "BWT", "acc_matrix", "config", "digest",
             "recl", "seconds", "reconstructions", "failed_reconstructions", "phase_seconds")
@@ -13,7 +13,7 @@ ARMS = {"": "alone", "@recl-budget": "alone at ReCL's budget", "+recl": "+ReCL",
 T95 = dict(enumerate(map(float, "12.706 4.303 3.182 2.776 2.571 2.447 2.365 2.306 2.262 2.228 2.201 2.179 2.16 2.145 "
     "2.131 2.12 2.11 2.101 2.093 2.086 2.08 2.074 2.069 2.064 2.06 2.056 2.052 2.048 2.045 2.042".split()), 1))
 method_rank = lambda method: [*recl.strategies.STRATEGIES, method].index(method)  # STRATEGIES' order, others last
-arm = lambda r: recl.variant_name("", r["variant"], r["config"].get("budget"))  # its name's suffix, as in ARMS
+arm = lambda r: data.variant_name("", r["variant"], r["config"].get("budget"))  # its name's suffix, as in ARMS
 run_name = lambda r: r["method"] + arm(r) + {"naive": ""}.get(t := r["config"].get("tuning") or "naive", f" ({t})")
 plasticity = lambda r: None if r["method"] == "joint" else mean(a[t] for t, a in enumerate(r["acc_matrix"]))  # R[t, t]
 cell = lambda v, d=2: "" if not v or None in v else f"{mean(v):.{d}f}" + (len(v) > 1 and f" ({stdev(v):.{d}f})" or "")

@@ -20,7 +20,7 @@ def tune():  # a random search without repetition, seeded by --seed; saves every
         if refused:
             raise recl.UsageError(why)
     cfg = dataclasses.replace(recl.resolve(args, args.seed, recl.variants(args)[-1]), validation=True)
-    name, log = recl.variant_name(cfg.method, cfg.variant), lambda *a: args.quiet or print(*a, flush=True)
+    name, log = data.variant_name(cfg.method, cfg.variant), lambda *a: args.quiet or print(*a, flush=True)
     (tasks, _, mean_image, _), combos = data.tasks_of(cfg), list(itertools.product(*grid.values()))
     recl.check_network(tasks, cfg)
     picks = torch.randperm(len(combos), generator=torch.Generator().manual_seed(cfg.seed))[:args.draws].tolist()
@@ -33,7 +33,7 @@ def tune():  # a random search without repetition, seeded by --seed; saves every
         return dict(settings=chosen, val_ACC=r["ACC"], val_BWT=r["BWT"], seconds=r["seconds"], diverged=r["diverged"])
     trials = sorted((evaluate(i, dict(zip(grid, combos[pick]))) for i, pick in enumerate(picks, 1)),
                     key=lambda t: float("inf") if t["val_ACC"] is None else -t["val_ACC"])  # best first; ties: in order
-    out = Path(args.out, f"{data.run_name(cfg, name)}-tuning-{data.digest(cfg)}-{args.draws}draws-seed{cfg.seed}.json")
+    out = Path(args.out, f"{data.run_name(cfg)}-tuning-{data.digest(cfg)}-{args.draws}draws-seed{cfg.seed}.json")
     data.write_json_atomically(out, dict(method=name, scenario=cfg.scenario, dataset=Path(cfg.dataset).stem,
         seed=cfg.seed, draws=args.draws, trials=trials, config=dataclasses.asdict(cfg), provenance=data.provenance()))
     if trials[0]["val_ACC"] is None:
