@@ -580,10 +580,9 @@ def test_the_readmes_gpm_values_are_the_tables():
 
 def test_eq3_gives_back_the_training_images_not_unseen_images_of_the_same_digits():
     # tools/see_eq3_work.py made small: 10 MNIST images, one of each digit, even against odd. Each image's SSIM with
-    # its nearest candidate (App. D.5), for the training images and for held-out images of the same classes: candidates
-    # that are the training images pass; noise or class averages fit both alike and fail (docs/see-eq3-work.md).
+    # its nearest candidate (App. D.5), for the training images and for as many held-out images of the same classes:
+    # candidates that are the training images pass; noise or class averages fit both alike and fail
+    # (docs/see-eq3-work.md).
     r = see_eq3_work.demonstrate(per_digit=1, train_steps=300, rec_steps=150, seed=0, log=QUIET)
-    seen = r["trained"]
-    unseen = recl.reconstruction_quality(r["held_out"]["candidates"], seen["candidates"], r["mean_image"])[0]
-    assert seen["mean_ssim"] > unseen.mean().item() + 0.15
-    assert seen["recovered"] > (unseen > see_eq3_work.RECOVERED).float().mean().item()
+    assert r["trained"]["mean_ssim"] > r["unseen"]["mean_ssim"] + 0.15
+    assert r["trained"]["recovered"] > r["unseen"]["recovered"]
