@@ -30,8 +30,8 @@ Adding a method: its STRATEGIES entry (hyperparameters named unlike Config's fie
 values, an ARMS line if one arm needs its own, a test of its hooks against a direct computation (as EWC's Fisher against
 a per-sample loop); a call in `train_task` or `run_continual` only for a new hook point; its rows in the README's tables
 once run_all.sh has run it. No code lists methods (`--method`, run_all.sh and tools/ read STRATEGIES). Adding a
-departure: a Config field among the replay fields, from `m` (among Step 2's, `lr` to `ce_scope`, if the method alone
-takes it too); `kind=` if its default is None; its "off" value in PAPER; its value in NETWORKS or CONTROL where a
+departure: a Config field among the replay fields, `m` to `trials` (among Step 2's, `lr` to `ce_scope`, if the method
+alone takes it too); `kind=` if its default is None; its "off" value in PAPER; its value in NETWORKS or CONTROL where a
 network or inversion differs, and its name in STORED's kept list if the stored controls use it; its function in part 3
 and one `if` line where it acts, reading None as off (the method alone's replay fields are None); where needed a
 `retune` line, a refusal in `check`, a range in SEARCH_SPACE, a term in `models.step1_gib`'s memory estimate; a test on
@@ -932,7 +932,7 @@ def main(argv=None):
         if args.skip_done and path.exists():
             print(f"{name} {cfg.scenario} seed {cfg.seed}: done before, skipped -> {path}", flush=True)
             continue
-        tasks, class_order, mean_image, left_out = data.tasks_of(cfg)
+        tasks, class_order, mean_image, left_out = data.tasks_of(cfg)  # the same tasks as checked above (cached)
         log(f"{describe(cfg)} | class order {class_order}")
         record = run_continual(cfg, tasks, log, mean_image, judge=True, image_path=path if args.save_images else None)
         pt = cfg.dataset.endswith(".pt")
