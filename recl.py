@@ -234,7 +234,7 @@ def with_smooth_relu(model, alpha):
     return copied
 
 def margins(model, params, x, y):
-    """Phi_y(x) - max_{j != y} Phi_j(x) for a batch, with the network's weights as `params`."""
+    """Phi_y(x) - max_{j != y} Phi_j(x) for a batch x [n, C, H, W], y [n], with the network's weights as `params`."""
     logits = functional_call(model, params, (x,))
     own = logits.gather(1, y[:, None]).squeeze(1)
     best_other = logits.scatter(1, y[:, None], float("-inf")).amax(1)
@@ -485,7 +485,7 @@ def said(r):
     """What the reconstruction before a task did, in a line."""
     if "first_loss" not in r:  # a stored control: nothing was optimised
         return f"replays {r['kept']}/{r['candidates']} stored images"
-    left = (f", Eq. 3 leaves {r['kept_terms']['rec']:.0%} of |theta - theta_0|^2 unexplained"  # departure 1
+    left = (f", Eq. 3 leaves {r['kept_terms']['rec']:.0%} of |theta - theta_0|^2 unexplained"  # by all candidates
             if r["rec_scale"] != 1.0 and "rec" in r["kept_terms"] else "")
     return (f"reconstructed {r['kept']}/{r['candidates']}, loss {r['first_loss']:.4g} -> {r['kept_loss']:.4g}{left}"
             + (f", FLAGGED: {r['failed']} (kept its lowest-loss candidates)" if r["failed"] else ""))
@@ -519,7 +519,8 @@ def keep_earlier(labels, x, lam, earlier_x, earlier_labels, earlier_lam):
 
 def less_share_of(net, params, target, x, labels, lam, n):
     """Fixed candidates add a constant to Eq. 3's sum: take it off the target once. Their lambdas were fitted under
-    the smaller n of an earlier task, so 1/n now shrinks their share; the free candidates fit the rest."""
+    the smaller n of an earlier task, so 1/n now shrinks their share; the free candidates fit the rest. The scale
+    stays departure 1's: L_rec is still the share of theta - theta_0 that all candidates, fixed and free, leave."""
     share = weighted_gradient_sum(net, params, x, labels, lam, n)
     return {k: target[k] - share[k] for k in target}
 
@@ -743,7 +744,7 @@ def resolve(args, seed, variant):
                "paper": PAPER if paper else {},
                "control": {"inversion": CONTROL, "real": STORED, "centroids": STORED}.get(variant, {}),
                "flag": given}
-    values, set_by = {}, {}  # each value, and the source that set it last (the header shows it)
+    values, set_by = {}, {}  # each value, and the source that set it last (the header shows it; not for what runs)
     for source, changes in sources.items():
         values.update(changes)
         set_by.update({k: source for k in changes if source != "default" and k not in ("dataset", "scenario",
